@@ -1,0 +1,89 @@
+"""The notebook API: `luxjax.load(path, mmproj=None, dtype="bfloat16")` -> Model.
+
+Keep these names stable: `Model.image_inputs`, `encode_images`, `forward_logits`, `render_prompt`, `generate`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from PIL import Image
+
+from luxjax.contract import Backend, Prompt
+from luxjax.errors import ModelFormatError
+from luxjax.vision.types import ImageInputs
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def default_model_paths() -> tuple[Path, Path | None]:
+    """The small model that ships inside the package: (decoder, projector)."""
+    folder = ASSETS / "default"
+    decoder = next(iter(sorted(folder.glob("*.gguf"))), None)
+    decoders = [p for p in sorted(folder.glob("*.gguf")) if not p.name.startswith("mmproj")]
+    projectors = [p for p in sorted(folder.glob("mmproj*.gguf"))]
+    if decoder is None or not decoders:
+        raise ModelFormatError(f"no default model in {folder}")
+    return decoders[0], (projectors[0] if projectors else None)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class Model:
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    @property
+    def has_vision(self) -> bool:
+        return self.backend.supports_images
+
+    @property
+    def tokenizer(self):
+        return self.backend.tokenizer
+
+    def image_inputs(self, images: Sequence[Image.Image]) -> ImageInputs:
+        return self.backend.image_inputs(images)
+
+    def encode_images(self, image_inputs: ImageInputs) -> np.ndarray:
+        """Merger output, one row per image token: np.float32 [tokens, hidden]."""
+        return np.asarray(self.backend.encode_images(image_inputs), dtype=np.float32)
+
+    def render_prompt(self, messages: Sequence[dict]) -> tuple[list[int], ImageInputs | None]:
+        prompt = self.backend.render_prompt(messages)
+        return prompt.token_ids, prompt.image_inputs
+
+    def prompt(self, messages: Sequence[dict]) -> Prompt:
+        return self.backend.render_prompt(messages)
+
+    def forward_logits(self, input_ids: Sequence[int], image_inputs: ImageInputs | None = None) -> np.ndarray:
+        """Logits at every position, np.float32 [T, vocab], in one prefill of the whole sequence."""
+        from luxjax.engine.generate import prompt_logits
+
+        return prompt_logits(self.backend, list(input_ids), image_inputs)
+
+    def generate(self, messages: Sequence[dict], max_tokens: int = 64, temperature: float = 0.0,
+                 seed: int | None = None) -> Generation:
+        from luxjax.engine.generate import generate
+
+        return generate(self.backend, self.backend.render_prompt(messages), max_tokens=max_tokens,
+                        temperature=temperature, seed=seed)
+
+
+def load(path=None, mmproj=None, dtype: str = "bfloat16", *, max_context: int | None = None,
+         progress: bool = True) -> Model:
+    """A Hugging Face directory (config.json + safetensors) or a GGUF decoder (+ optional mmproj GGUF).
+    With no path, the default model shipped in the package."""
+    from luxjax.models.registry import load_backend
+
+    if path is None:
+        path, default_projector = default_model_paths()
+        mmproj = mmproj if mmproj is not None else default_projector
+    return Model(load_backend(Path(path), None if mmproj is None else Path(mmproj), dtype,
+                              max_context=max_context, progress=progress))

@@ -1,0 +1,68 @@
+"""Single-sequence prefill + decode through the backend contract (the notebook path; the server's scheduler
+batches many sequences through the same backend calls)."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from luxjax.contract import Backend, Prompt
+from luxjax.errors import RequestError
+from luxjax.vision.spans import plan_prefill_chunks
+
+PREFILL_CHUNK = 512
+CACHE_ROUND = 256
+
+
+def cache_length(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
+    needed = prompt_tokens + max_tokens
+    if needed > max_context:
+        raise RequestError(
+            f"this request needs {needed} tokens ({prompt_tokens} prompt incl. images + {max_tokens} to generate), "
+            f"the context is {max_context}", code="context_length_exceeded")
+    return min(-(-needed // CACHE_ROUND) * CACHE_ROUND, max(max_context, CACHE_ROUND))
+
+
+def prefill_prompt(backend: Backend, caches, slot: int, prompt: Prompt, *, chunk: int = PREFILL_CHUNK,
+                   all_logits: bool = False):
+    """Encode the prompt's images, then prefill it chunk by chunk. Returns (logits, caches)."""
+    rows = backend.encode_images(prompt.image_inputs) if prompt.image_spans else None
+    pieces = []
+    for begin, end in plan_prefill_chunks(prompt.num_tokens, prompt.image_spans, chunk, backend.keep_images_whole):
+        logits, caches = backend.prefill(caches, slot, prompt, rows, begin, end, all_logits=all_logits)
+        pieces.append(np.asarray(logits)[: end - begin] if all_logits else logits)
+    return (np.concatenate(pieces) if all_logits else pieces[-1]), caches
+
+
+def prompt_logits(backend: Backend, input_ids: list[int], image_inputs, *, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+    prompt = backend.prompt_from_ids(input_ids, image_inputs)
+    caches = backend.init_cache(1, cache_length(len(input_ids), 0, backend.max_context))
+    logits, _ = prefill_prompt(backend, caches, 0, prompt, chunk=chunk, all_logits=True)
+    return logits.astype(np.float32)
+
+
+def generate(backend: Backend, prompt: Prompt, *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+             chunk: int = PREFILL_CHUNK):
+    from luxjax.api import Generation
+
+    caches = backend.init_cache(1, cache_length(prompt.num_tokens, max_tokens, backend.max_context))
+    logits, caches = prefill_prompt(backend, caches, 0, prompt, chunk=chunk)
+    key = jax.random.key(np.random.SeedSequence(seed).entropy % (2**63) if seed is None else seed)
+    eos = set(backend.tokenizer.eos_token_ids)
+    tokens: list[int] = []
+    finish = "length"
+    cached = prompt.num_tokens
+    for _ in range(max_tokens):
+        key, sub = jax.random.split(key)
+        logits = jnp.reshape(logits, (-1,))
+        token = int(jnp.argmax(logits) if temperature <= 0 else jax.random.categorical(sub, logits / temperature))
+        if token in eos:
+            finish = "stop"
+            break
+        tokens.append(token)
+        if len(tokens) == max_tokens:
+            break
+        logits, caches = backend.decode(caches, np.array([token]), np.array([cached]), np.array([prompt.rope_delta]))
+        cached += 1
+    return Generation(text=backend.tokenizer.decode(tokens), token_ids=tokens, finish_reason=finish,
+                      prompt_tokens=prompt.num_tokens)

@@ -1,0 +1,83 @@
+"""Small NNX building blocks shared by models. Weights are given at construction (no random init):
+a model is always built from a checkpoint, and packed quantized weights pass through untouched."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from luxjax.ops.linear import linear
+
+
+def _value(param):
+    return None if param is None else param.get_value()
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T (+ b). W is [out, in]: a dense array or a packed QuantizedTensor."""
+
+    def __init__(self, weight, bias=None):
+        self.weight = nnx.Param(weight)
+        self.bias = nnx.Param(bias) if bias is not None else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = linear(x, self.weight.get_value())
+        if self.bias is not None:
+            y = y + self.bias.get_value().astype(y.dtype)
+        return y
+
+
+class Embedding(nnx.Module):
+    def __init__(self, weight):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+        from luxjax.ops.linear import embedding_lookup
+
+        return embedding_lookup(self.weight.get_value(), ids, dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps), computed in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """Qwen3.5's RMSNorm: y = norm(x) * (1 + w), in float32, cast back to x's dtype."""
+
+    def __init__(self, weight, eps: float):
+        self.weight = nnx.Param(weight)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight.get_value().astype(jnp.float32)
+        return (rms_normalize(x, self.eps) * (1.0 + w)).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """DeltaNet output norm: w * norm(x) (rounded to x's dtype first, as the reference does) * silu(gate)."""
+
+    def __init__(self, weight, eps: float):
+        self.weight = nnx.Param(weight)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        normed = rms_normalize(x, self.eps).astype(x.dtype)
+        y = self.weight.get_value().astype(x.dtype) * normed
+        return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, weight, bias, eps: float):
+        self.weight = nnx.Param(weight)
+        self.bias = nnx.Param(bias)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.weight.get_value().astype(jnp.float32) + self.bias.get_value().astype(jnp.float32)
+        return y.astype(x.dtype)

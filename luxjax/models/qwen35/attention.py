@@ -1,0 +1,51 @@
+"""Gated full attention layer of the Qwen3.5 decoder (q/gate split, zero-centred q/k norms, partial M-RoPE, GQA)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from luxjax.layers.basic import Linear, ZeroCenteredRMSNorm
+from luxjax.layers.rope import apply_rotary
+from luxjax.models.qwen35.config import TextConfig
+from luxjax.ops.attention import cached_attention, write_kv
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [B, S, kv_heads, head_dim]
+    v: jax.Array  # [B, S, kv_heads, head_dim]
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: TextConfig, w: dict):
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = Linear(w["q_proj.weight"])
+        self.k_proj = Linear(w["k_proj.weight"])
+        self.v_proj = Linear(w["v_proj.weight"])
+        self.o_proj = Linear(w["o_proj.weight"])
+        self.q_norm = ZeroCenteredRMSNorm(w["q_norm.weight"], cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(w["k_norm.weight"], cfg.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
+        """x [B, T, hidden]; cos/sin [B, T, rotary_dim]; start [B] = tokens already cached per sequence."""
+        B, T, _ = x.shape
+        q_gate = self.q_proj(x).reshape(B, T, self.heads, 2 * self.head_dim)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        cache = KVCache(write_kv(cache.k, k, start), write_kv(cache.v, v, start))
+        out = cached_attention(q, cache.k, cache.v, start, scale=self.head_dim**-0.5)
+        out = out.reshape(B, T, self.heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out), cache
+
+
+def empty_kv_cache(cfg: TextConfig, batch: int, max_len: int, dtype) -> KVCache:
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

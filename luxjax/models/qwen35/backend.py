@@ -1,0 +1,125 @@
+"""Qwen3.5 / Qwen3.8 implementation of the backend contract (luxjax/contract.py)."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from luxjax.contract import Prompt
+from luxjax.errors import RequestError
+from luxjax.models.qwen35 import model as qwen
+from luxjax.models.qwen35.config import ModelConfig
+from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
+from luxjax.models.qwen35.prompt import IMAGE_MARKERS, build_prompt, prompt_from_ids
+from luxjax.models.qwen35.vision_tower import vision_layout
+from luxjax.vision.limits import ImageLimits
+from luxjax.vision.messages import parse_messages
+from luxjax.vision.types import ImageInputs
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two >= n (and >= minimum): a few static shapes instead of one compile per length."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+class Qwen35Backend:
+    image_markers = IMAGE_MARKERS
+    keep_images_whole = False  # positions are precomputed for the whole prompt, so an image may straddle chunks
+
+    def __init__(self, cfg: ModelConfig, model: qwen.Qwen35Model, tokenizer, processor: Qwen35ImageProcessor | None,
+                 dtype, *, max_context: int | None = None, limits: ImageLimits = ImageLimits()):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.graphdef, self.state = nnx.split(model)
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.limits = limits
+        self.supports_images = cfg.vision is not None and processor is not None
+        self.max_context = max_context or cfg.text.max_position_embeddings
+        self.vocab_size = cfg.text.vocab_size
+        self.pad_id = cfg.image_token_id
+        self.merge = cfg.vision.spatial_merge_size if cfg.vision else 2
+
+    # --- prompts -------------------------------------------------------------------------------------------
+    def refuse_images(self):
+        raise RequestError("this model does not accept images; start the server with --mmproj",
+                           code="images_not_supported", param="messages")
+
+    def image_inputs(self, images) -> ImageInputs:
+        if not self.supports_images:
+            self.refuse_images()
+        return self.processor(images)
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        return self.processor.num_tokens(width, height)
+
+    def render_prompt(self, messages, *, add_generation_prompt: bool = True) -> Prompt:
+        parsed = parse_messages(messages, self.limits, self.image_markers)
+        images = [p.image for m in parsed for p in m.images]
+        image_inputs = self.image_inputs(images) if images else None
+        if image_inputs is not None:
+            image_inputs = ImageInputs(image_inputs.pixel_values, image_inputs.grid_thw, image_inputs.num_tokens,
+                                       [p.hash for m in parsed for p in m.images])
+        template = self.tokenizer.chat_template
+        if not template:
+            raise RequestError("this model has no chat template; use /v1/completions")
+        return build_prompt(self.tokenizer, template, parsed, messages, image_inputs, pad_id=self.pad_id,
+                            merge=self.merge, add_generation_prompt=add_generation_prompt)
+
+    def text_prompt(self, text: str) -> Prompt:
+        for marker in self.image_markers:
+            if marker in text:
+                raise RequestError(f"prompt contains the reserved image marker {marker!r}", param="prompt")
+        return prompt_from_ids(self.tokenizer.encode(text), None, pad_id=self.pad_id, merge=self.merge, text=text)
+
+    def prompt_from_ids(self, token_ids, image_inputs) -> Prompt:
+        """A prompt whose pads are already expanded (e.g. transformers' processor output)."""
+        return prompt_from_ids(list(token_ids), image_inputs, pad_id=self.pad_id, merge=self.merge)
+
+    # --- device work -----------------------------------------------------------------------------------------
+    def encode_images(self, image_inputs: ImageInputs) -> jax.Array:
+        """Merger output for all images [sum(num_tokens), hidden], images padded to a bucketed patch count."""
+        n = image_inputs.pixel_values.shape[0]
+        padded = bucket(n, 64)
+        pixels = np.zeros((padded, image_inputs.pixel_values.shape[1]), np.float32)
+        pixels[:n] = image_inputs.pixel_values
+        taps, weights, rope_ids, segments = vision_layout(image_inputs.grid_thw, self.cfg.vision, padded)
+        rows = qwen.encode_images(self.graphdef, self.state, jnp.asarray(pixels), jnp.asarray(taps),
+                                  jnp.asarray(weights), jnp.asarray(rope_ids), jnp.asarray(segments))
+        return rows[: n // self.merge**2]
+
+    def init_cache(self, slots: int, max_len: int):
+        return self._decoder().init_cache(slots, max_len, self.dtype)
+
+    def _decoder(self):
+        return nnx.merge(self.graphdef, self.state).text
+
+    def prefill(self, caches, slot: int, prompt: Prompt, image_rows, begin: int, end: int, *, all_logits=False):
+        """Prompt tokens [begin, end) of the sequence in `slot` (begin tokens already cached)."""
+        n = end - begin
+        size = bucket(n)
+        ids = np.zeros(size, np.int32)
+        ids[:n] = prompt.token_ids[begin:end]
+        positions = np.zeros((3, size), np.int32)
+        positions[:, :n] = prompt.positions[:, begin:end]
+        image_index = np.full(size, -1, np.int32)
+        row = 0
+        for s, e in prompt.image_spans:
+            lo, hi = max(s, begin), min(e, end)
+            if lo < hi:
+                image_index[lo - begin : hi - begin] = row + (lo - s) + np.arange(hi - lo)
+            row += e - s
+        return qwen.prefill(self.graphdef, self.state, caches, jnp.int32(slot), jnp.asarray(ids),
+                            image_rows if prompt.image_spans else None, jnp.asarray(image_index),
+                            jnp.asarray(positions), jnp.int32(begin), jnp.int32(n), dtype=self.dtype,
+                            all_logits=all_logits)
+
+    def decode(self, caches, token_ids, cached, rope_deltas):
+        pos = np.asarray(cached, np.int32) + np.asarray(rope_deltas, np.int32)
+        positions = np.broadcast_to(pos, (3, len(pos))).astype(np.int32)
+        return qwen.decode(self.graphdef, self.state, caches, jnp.asarray(token_ids, jnp.int32),
+                           jnp.asarray(positions), jnp.asarray(cached, jnp.int32), dtype=self.dtype)

@@ -1,0 +1,70 @@
+"""The Qwen3.5 vision-language model as one NNX module (text decoder + optional vision tower), and the pure
+jitted functions the engine calls: encode images, prefill a chunk into one cache slot, decode one step."""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from luxjax.models.qwen35.config import ModelConfig
+from luxjax.models.qwen35.decoder import TextDecoder
+from luxjax.models.qwen35.vision_tower import VisionTower
+
+
+class Qwen35Model(nnx.Module):
+    def __init__(self, cfg: ModelConfig, weights, dtype):
+        self.text = TextDecoder(cfg.text, weights)
+        self.vision = VisionTower(cfg.vision, weights, dtype) if cfg.vision is not None else None
+
+
+def _slot_rows(tree, slot):
+    """Select one batch row (axis 1: axis 0 stacks the layer repeats) of every cache array."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1), tree)
+
+
+def _put_slot_rows(tree, rows, slot):
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=1), tree, rows)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def encode_images(graphdef, state, pixels, pos_taps, pos_weights, rope_ids, segments):
+    model = nnx.merge(graphdef, state)
+    return model.vision(pixels, pos_taps, pos_weights, rope_ids, segments)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "all_logits", "dtype"), donate_argnames=("caches",))
+def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positions, start, valid_len, *,
+            dtype, all_logits: bool = False):
+    """One prompt chunk of one sequence into cache slot `slot`.
+
+    ids, image_index int32 [T] (image_index: row of `image_rows` replacing the token's embedding, or -1);
+    positions int32 [3, T]; start: tokens already in the slot (0 resets its DeltaNet state);
+    valid_len: real tokens in this (padded) chunk. Returns (logits: last valid token [V], or all [T, V]; caches)."""
+    model = nnx.merge(graphdef, state)
+    T = ids.shape[0]
+    x = model.text.embed(ids, dtype)
+    if image_rows is not None:
+        rows = image_rows[jnp.clip(image_index, 0)].astype(dtype)
+        x = jnp.where((image_index >= 0)[:, None], rows, x)
+    rows = _slot_rows(caches, slot)
+    fresh = start == 0
+    rows = jax.tree.map(lambda c: jnp.where(fresh, jnp.zeros_like(c), c), rows)
+    valid = (jnp.arange(T) < valid_len)[None]
+    h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True)
+    caches = _put_slot_rows(caches, rows, slot)
+    if all_logits:
+        return model.text.logits(h[0]), caches
+    last = jax.lax.dynamic_index_in_dim(h[0], valid_len - 1, axis=0, keepdims=False)
+    return model.text.logits(last), caches
+
+
+@partial(jax.jit, static_argnames=("graphdef", "dtype"), donate_argnames=("caches",))
+def decode(graphdef, state, caches, ids, positions, start, *, dtype):
+    """One token for every slot: ids [B], positions int32 [3, B], start [B] (cached tokens). Returns logits [B, V]."""
+    model = nnx.merge(graphdef, state)
+    x = model.text.embed(ids[:, None], dtype)
+    valid = jnp.ones((ids.shape[0], 1), dtype=bool)
+    h, caches = model.text(x, positions[:, :, None], start, valid, caches, chunked=False)
+    return model.text.logits(h[:, 0]), caches

@@ -1,0 +1,38 @@
+"""The one explicit table from architecture name to loader. Adding a model = a folder + one line here."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from luxjax.errors import ModelFormatError
+from luxjax.models.qwen35 import load as qwen35
+
+HF_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": qwen35.load_hf_dir,
+    "Qwen3_5ForCausalLM": qwen35.load_hf_dir,
+}
+GGUF_ARCHITECTURES = {
+    "qwen35": qwen35.load_gguf,
+}
+
+
+def load_backend(path: Path, mmproj: Path | None, dtype, **kw):
+    if path.is_dir():
+        if mmproj is not None:
+            raise ModelFormatError("--mmproj goes with a GGUF decoder; a Hugging Face directory carries its own vision tower")
+        config = path / "config.json"
+        if not config.exists():
+            raise ModelFormatError(f"{path}: not a Hugging Face model directory (no config.json)")
+        archs = json.loads(config.read_text()).get("architectures") or []
+        for arch in archs:
+            if arch in HF_ARCHITECTURES:
+                return HF_ARCHITECTURES[arch](path, dtype, **kw)
+        raise ModelFormatError(f"{path}: architectures {archs} are not supported (known: {sorted(HF_ARCHITECTURES)})")
+    if path.suffix == ".gguf":
+        from luxjax.checkpoint.gguf_reader import read_gguf_metadata
+
+        arch = read_gguf_metadata(path).get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelFormatError(f"{path}: GGUF architecture {arch!r} is not supported (known: {sorted(GGUF_ARCHITECTURES)})")
+        return GGUF_ARCHITECTURES[arch](path, mmproj, dtype, **kw)
+    raise ModelFormatError(f"{path}: expected a Hugging Face directory or a .gguf file")

@@ -1,0 +1,90 @@
+"""Gated delta rule (Gated DeltaNet's recurrence), XLA path.
+
+Shapes: q, k [B, H, T, dk]; v [B, H, T, dv]; g (log decay), beta [B, H, T]; state [B, H, dk, dv]. All float32:
+q and k arrive L2-normalised, q already scaled by dk^-0.5. Per token t:
+    S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+The chunked form computes the same function with matmuls over chunks of `chunk` tokens (prefill); the recurrent
+form steps token by token (decode). Padded tokens must carry beta = 0 and g = 0 so they leave the state alone.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token form. Returns (out [B, H, T, dv], final state)."""
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B,H,dk], [B,H,dk], [B,H,dv], [B,H], [B,H]
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
+        return s, o_t
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 2), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked (UT-transform) form. Returns (out [B, H, T, dv], final state)."""
+    T = q.shape[2]
+    pad = (-T) % chunk
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+    B, H, Tp, dk = q.shape
+    dv = v.shape[-1]
+    n = Tp // chunk
+
+    def chunked(x):
+        return x.reshape(B, H, n, chunk, *x.shape[3:])
+
+    v_beta = chunked(v * beta[..., None])
+    k_beta = chunked(k * beta[..., None])
+    q, k = chunked(q), chunked(k)
+    cum = jnp.cumsum(chunked(g), axis=-1)  # [B,H,n,C]
+
+    upper = jnp.triu(jnp.ones((chunk, chunk), dtype=bool), 1)
+    pair_decay = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
+    ut_system = _mm(k_beta, jnp.swapaxes(k, -1, -2)) * pair_decay
+    intra = _mm(q, jnp.swapaxes(k, -1, -2)) * pair_decay
+    decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
+
+    # (I + strictly_lower(ut)) X = rhs; the reference ignores the diagonal (unitriangular solve).
+    system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), dtype=bool), -1), ut_system, 0.0) + jnp.eye(chunk)
+    rhs = jnp.concatenate([v_beta, decayed_k_beta], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [B,H,n]
+
+    def step(s, xs):
+        nv, kc, qd, kd, at, cd = xs
+        v_new = nv - _mm(kc, s)
+        out = _mm(qd, s) + _mm(at, v_new)
+        s = s * cd[..., None, None] + _mm(jnp.swapaxes(kd, -1, -2), v_new)
+        return s, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+    state, out = jax.lax.scan(step, state, xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, H, Tp, dv)[:, :, :T]
+    return out, state
+
+
+def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool):
+    """The one entry point models call; chooses the form (and later the Pallas kernel)."""
+    if chunked:
+        return chunk_gated_delta_rule(q, k, v, g, beta, state)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state)

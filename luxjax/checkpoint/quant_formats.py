@@ -5,7 +5,7 @@ A format names the fields of one block in byte order; each field becomes its own
 A decoder maps those planes to float32 [rows, blocks_per_row, block_size].
 
 Why the results are bit-identical to gguf.quants (numpy): every scale-times-quant product below is exact in
-float32 (an f16 scale has 11 significant bits; sub-scale and quant together add at most 13), so neither the order
+float32 (an f16 scale has at most 11 significant bits; sub-scale and quant together add at most 12), so neither the order
 of the products nor fused multiply-adds can change a bit, and the one rounding step (subtracting or adding a min)
 sees the same two exact operands as numpy. Scale products are never float32 subnormals (every operand is a
 multiple of 2^-24), except MXFP4's, which is built from exponent bits instead (see _times_pow2).
@@ -225,5 +225,10 @@ FORMATS: dict[T, QuantFormat] = {
         (Field("d", 2, u16), Field("scales_h", 2, u16), Field("scales_l", 4, u8), Field("qs", 128, u8)), _iq4_xs),
 }
 
-for _t, _f in FORMATS.items():
-    assert sum(f.nbytes for f in _f.fields) == GGML_QUANT_SIZES[_t][1], _t.name
+
+def _check_block_sizes() -> None:
+    for ggml_type, fmt in FORMATS.items():
+        assert sum(f.nbytes for f in fmt.fields) == GGML_QUANT_SIZES[ggml_type][1], ggml_type.name
+
+
+_check_block_sizes()

@@ -15,7 +15,10 @@ from luxjax.checkpoint.quants import Weight, dequantize, dequantize_rows
 def _xla_linear(x: jax.Array, w: Weight) -> jax.Array:
     """Weights dequantized (or cast) to x's dtype, float32 accumulation, result in x's dtype."""
     w = dequantize(w, x.dtype)
-    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # float32 mode means full float32 products: GPUs would otherwise round inputs to TF32.
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                        precision=precision)
     return y.astype(x.dtype)
 
 

@@ -93,7 +93,8 @@ def _decode_data_url(url: str, label: str, limits: ImageLimits) -> EncodedImage:
     params = [p.strip().lower() for p in header.group(2).split(";")[1:]]
     if "base64" not in params:
         raise ImageInputError(
-            f"{label}: malformed data URL; only base64 data URLs are accepted (data:{mime or 'image/png'};base64,...)",
+            f"{label}: malformed data URL; only base64 data URLs are accepted "
+            f"(data:{mime[:40] or 'image/png'};base64,...)",
             code="invalid_image_url",
         )
     if not mime:
@@ -103,11 +104,11 @@ def _decode_data_url(url: str, label: str, limits: ImageLimits) -> EncodedImage:
         raise ImageInputError(
             f"{label}: unsupported image type {mime[:40]!r}; send {SUPPORTED_TYPES_TEXT}", code="unsupported_image"
         )
-    payload = url[header.end():]
-    if len(payload) // 4 * 3 > limits.max_image_bytes + 3:
-        raise _too_large(label, len(payload) // 4 * 3, limits)
+    payload = _WHITESPACE.sub("", url[header.end():])  # clients may wrap base64 in lines
+    if len(payload) * 3 // 4 > limits.max_image_bytes + 2:  # refused before decoding (exact up to padding)
+        raise _too_large(label, len(payload) * 3 // 4, limits)
     try:
-        data = base64.b64decode(_WHITESPACE.sub("", payload), validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ImageInputError(f"{label}: the data URL's base64 payload is invalid", code="invalid_image_url") from None
     if not data:

@@ -6,7 +6,7 @@ white; everything else goes through PIL's `convert("RGB")`.
 
 EXIF orientation is honoured for encoded images, as transformers' `load_image` does for URL/base64 inputs
 (`ImageOps.exif_transpose`). PIL images handed in directly (notebook parts) are used as they are, as transformers'
-image processors do with PIL inputs.
+image processors do with PIL inputs. Animated images give their first frame.
 """
 from __future__ import annotations
 

@@ -106,6 +106,8 @@ def _role(message: object, i: int) -> str:
     if not isinstance(message, Mapping):
         raise RequestError(f"messages[{i}] must be an object", param="messages")
     role = message.get("role")
+    if role is None:
+        raise RequestError(f'messages[{i}]: missing field "role"', param="messages")
     if role not in ROLES:
         raise RequestError(f"messages[{i}]: unknown role {str(role)[:40]!r}; expected one of {ROLES}", param="messages")
     return role

@@ -156,7 +156,9 @@ def test_quantized_decoder_close_to_hf(quant, hf_tensors):
         assert relative_rms(got, hf_tensors[name]) < DECODER_TOLERANCE[quant], name
 
 
-@pytest.mark.parametrize(("load", "path"), [(load_qwen35_gguf, decoder("Q4_K_M")), (load_qwen35_mmproj, mmproj("Q8_0"))])
+@pytest.mark.parametrize(
+    ("load", "path"), [(load_qwen35_gguf, decoder("Q4_K_M")), (load_qwen35_mmproj, mmproj("Q8_0"))]
+)
 def test_real_device_weights_stay_packed_and_decode_like_gguf(load, path):
     ckpt = load(path, progress=False)
     reference = load(path, materialize=dequantizing, progress=False)

@@ -180,7 +180,7 @@ def test_pytree_and_nbytes(seed):
     leaves, treedef = jax.tree_util.tree_flatten(qt)
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert (back.shape, back.ggml_type, back.dtype) == ((3, 512), T.Q4_K, jnp.bfloat16)
-    assert dequantize(back).dtype == jnp.bfloat16
+    assert jax.eval_shape(dequantize, back).dtype == jnp.bfloat16
     dense = jnp.zeros((4, 4), jnp.float32)
     assert tensor_nbytes({"a": qt, "b": [dense, None]}) == raw.nbytes + 64
     assert qt.nbytes == raw.nbytes

@@ -3,13 +3,9 @@ from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
 import pytest
-
-FIXTURE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35-tiny-a"
-HF_DIR = FIXTURE_DIR / "hf"
-GGUF_PATH = FIXTURE_DIR / "tiny-qwen35-a-BF16.gguf"
+from text_samples import GGUF_PATH, HF_DIR
 
 
 @pytest.fixture(scope="session")

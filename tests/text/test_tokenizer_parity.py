@@ -5,8 +5,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import FIXTURE_DIR, GGUF_PATH
-from text_samples import SPECIAL_TOKENS, random_text
+from text_samples import FIXTURE_DIR, GGUF_PATH, SPECIAL_TOKENS, random_text
 
 from luxjax.text import Tokenizer
 
@@ -71,7 +70,7 @@ def test_special_tokens_and_vocabulary(ours, reference):
 
 
 def test_special_token_variables_match_transformers(hf_tokenizer, reference):
-    assert hf_tokenizer.special_tokens == reference.special_tokens_map
+    assert hf_tokenizer.special_tokens == hf_tokenizer.template_variables() == reference.special_tokens_map
 
 
 def test_stop_ids(hf_tokenizer, gguf_tokenizer):

@@ -1,7 +1,12 @@
-"""Random text that stresses byte-level BPE: scripts, emoji sequences, combining marks, odd whitespace, digits."""
+"""Fixture paths, and random text that stresses byte-level BPE: scripts, emoji, combining marks, whitespace, digits."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
+
+FIXTURE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35-tiny-a"
+HF_DIR = FIXTURE_DIR / "hf"
+GGUF_PATH = FIXTURE_DIR / "tiny-qwen35-a-BF16.gguf"
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 _FIXED = (

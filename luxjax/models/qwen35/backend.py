@@ -93,7 +93,10 @@ class Qwen35Backend:
         return rows[: n // self.merge**2]
 
     def init_cache(self, slots: int, max_len: int):
-        return self._decoder().init_cache(slots, max_len, self.dtype)
+        """Zeroed caches, committed to the weights' device: uncommitted inputs would make the first jitted call
+        compile a second variant once it gets back committed outputs."""
+        sharding = jax.tree.leaves(self.state)[0].sharding
+        return jax.device_put(self._decoder().init_cache(slots, max_len, self.dtype), sharding)
 
     def _decoder(self):
         return nnx.merge(self.graphdef, self.state).text

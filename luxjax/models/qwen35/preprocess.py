@@ -24,10 +24,9 @@ MAX_ASPECT_RATIO = 200
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' smart_resize (qwen2_vl, 5.24): sides become multiples of `factor`, area within the bounds."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {max(height, width) / min(height, width)}"
-        )
+    aspect = max(height, width) / min(height, width)
+    if aspect > MAX_ASPECT_RATIO:
+        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {aspect}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -143,10 +142,10 @@ class Qwen35ImageProcessor:
         height, width, channels = pixels.shape
         blocks = pixels.reshape(height // (p * m), m, p, width // (p * m), m, p, channels)
         blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5).reshape(-1, channels, p * p)
+        channel_offsets = (np.arange(channels, dtype=np.uint16) * 256)[None, :, None]
+        frame = np.take(self._lookup.ravel(), np.add(blocks, channel_offsets, dtype=np.uint16))
         out = np.empty((blocks.shape[0], channels, t, p * p), dtype=np.float32)
-        for c in range(channels):
-            out[:, c, 0, :] = self._lookup[c][blocks[:, c, :]]
-        out[:, :, 1:, :] = out[:, :, :1, :]
+        out[:] = frame[:, :, None, :]
         return out.reshape(blocks.shape[0], -1)
 
 

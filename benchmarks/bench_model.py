@@ -1,0 +1,201 @@
+"""Prefill and decode speed of a random-weight Qwen3.5 model of a real config, luxjax next to transformers on the
+same weights and device.
+
+    python benchmarks/bench_model.py --config qwen35-27b --dtype bfloat16 --json out.json
+
+Both run in one process: transformers' model is initialised at random on the device, measured, and its tensors are
+handed to luxjax through DLPack (same values). The decode bound is weight bytes / 4.1 TB/s per step."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks.model_configs import CONFIGS  # noqa: E402
+
+HBM_BYTES_PER_S = 4.1e12
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Best wall time of `fn()` (which must block until its device work is done) after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def build_torch_model(cfg_dict: dict, dtype: str, device: str):
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen3_5Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = Qwen3_5ForConditionalGeneration._from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def measure_transformers(model, prompt_tokens, decode_steps, batches, image_grid, device):
+    import torch
+
+    results = {}
+    vocab = model.config.text_config.vocab_size
+    ids = torch.randint(0, vocab - 1000, (1, prompt_tokens), device=device)
+
+    def sync(x=None):
+        torch.cuda.synchronize() if device == "cuda" else None
+        return x
+
+    with torch.inference_mode():
+        results["prefill_s"] = timed(lambda: sync(model(input_ids=ids, use_cache=True)), repeats=2)
+        for b in batches:
+            batch = ids.repeat(b, 1)
+            gen = dict(do_sample=False, use_cache=True, pad_token_id=0)
+            t1 = timed(lambda: sync(model.generate(batch, max_new_tokens=1, min_new_tokens=1, **gen)), repeats=1)
+            tn = timed(lambda: sync(model.generate(batch, max_new_tokens=decode_steps + 1,
+                                                   min_new_tokens=decode_steps + 1, **gen)), repeats=1)
+            results[f"decode_b{b}_tok_s"] = b * decode_steps / max(tn - t1, 1e-9)
+        pixels, grid = image_grid
+        pv = torch.from_numpy(pixels).to(device=device, dtype=model.dtype)
+        g = torch.from_numpy(grid).to(device)
+        results["vision_s"] = timed(lambda: sync(model.model.visual(pv, grid_thw=g)), repeats=3)
+    return results
+
+
+def random_image(cfg_dict, image_tokens: int):
+    """A random-pixel image input whose merged grid is near-square with `image_tokens` tokens."""
+    rows = int(np.sqrt(image_tokens))
+    while image_tokens % rows:
+        rows -= 1
+    cols = image_tokens // rows
+    v = cfg_dict["vision_config"]
+    patches = 4 * image_tokens
+    dim = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2
+    pixels = np.random.default_rng(0).standard_normal((patches, dim), dtype=np.float32)
+    return pixels, np.array([[1, 2 * rows, 2 * cols]], dtype=np.int64)
+
+
+def measure_luxjax(backend, prompt_tokens, decode_steps, batches, image_grid, vocab):
+    from luxjax.vision.types import ImageInputs
+
+    results = {}
+    ids = np.random.default_rng(0).integers(0, vocab - 1000, prompt_tokens).tolist()
+    prompt = backend.prompt_from_ids(ids, None)
+    max_len = -(-(prompt_tokens + decode_steps + 64) // 256) * 256
+    state = {"caches": backend.init_cache(1, max_len)}
+
+    def prefill():
+        logits, state["caches"] = backend.prefill(state["caches"], 0, prompt, None, 0, prompt_tokens)
+        logits.block_until_ready()
+
+    t = time.perf_counter()
+    prefill()
+    results["prefill_compile_s"] = time.perf_counter() - t
+    results["prefill_s"] = timed(prefill)
+    for b in batches:
+        state["caches"] = backend.init_cache(b, max_len)
+        tokens = np.zeros(b, np.int32)
+        cached = np.full(b, prompt_tokens, np.int32)
+        deltas = np.zeros(b, np.int32)
+
+        def step():
+            logits, state["caches"] = backend.decode(state["caches"], tokens, cached, deltas)
+            return logits
+
+        t = time.perf_counter()
+        step().block_until_ready()
+        results[f"decode_b{b}_compile_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in tqdm(range(decode_steps), desc=f"luxjax decode b={b}", leave=False):
+            logits = step()
+        logits.block_until_ready()
+        results[f"decode_b{b}_tok_s"] = b * decode_steps / (time.perf_counter() - t)
+    if backend.supports_images:
+        pixels, grid = image_grid
+        inputs = ImageInputs(pixels, grid, [int(grid[0].prod() // 4)])
+        t = time.perf_counter()
+        backend.encode_images(inputs).block_until_ready()
+        results["vision_compile_s"] = time.perf_counter() - t
+        results["vision_s"] = timed(lambda: backend.encode_images(inputs).block_until_ready())
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prompt-tokens", type=int, default=1012)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--image-tokens", type=int, default=975)
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg_dict = CONFIGS[args.config]
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    image = random_image(cfg_dict, args.image_tokens)
+
+    t = time.perf_counter()
+    torch_model = build_torch_model(cfg_dict, args.dtype, device)
+    init_s = time.perf_counter() - t
+    peer = {} if args.no_peer else measure_transformers(torch_model, args.prompt_tokens, args.decode_steps, batches,
+                                                         image, device)
+
+    from luxjax.models.qwen35.config import ModelConfig
+    from luxjax.models.qwen35.load import build
+    from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
+
+    tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
+    weight_bytes = sum(int(np.prod(p.shape)) * p.element_size() for n, p in torch_model.state_dict().items()
+                       if not n.startswith("model.visual."))
+    processor = Qwen35ImageProcessor.from_preprocessor_config({
+        "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3})
+    t = time.perf_counter()
+    backend = build(ModelConfig.from_hf(cfg_dict), tensors, None, processor, args.dtype, origin=args.config)
+    build_s = time.perf_counter() - t
+    del tensors, torch_model
+    ours = measure_luxjax(backend, args.prompt_tokens, args.decode_steps, batches, image,
+                          cfg_dict["text_config"]["vocab_size"])
+
+    bound = HBM_BYTES_PER_S / weight_bytes
+    report = {"config": args.config, "dtype": args.dtype, "device": str(jax.devices()[0].device_kind),
+              "jax": jax.__version__, "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps,
+              "image_tokens": args.image_tokens, "weight_bytes": weight_bytes, "decode_bound_tok_s": bound,
+              "torch_init_s": init_s, "luxjax_build_s": build_s, "luxjax": ours, "transformers": peer}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    rows = [("prefill tokens/s", args.prompt_tokens / ours["prefill_s"],
+             args.prompt_tokens / peer["prefill_s"] if peer else None)]
+    rows += [(f"decode tokens/s, batch {b}", ours[f"decode_b{b}_tok_s"], peer.get(f"decode_b{b}_tok_s")) for b in batches]
+    if "vision_s" in ours:
+        rows.append((f"vision tower ms ({args.image_tokens} tokens)", 1e3 * ours["vision_s"],
+                     1e3 * peer["vision_s"] if peer else None))
+    print(f"\n{args.config} {args.dtype} on {report['device']}; decode bound (batch 1) {bound:.1f} tokens/s; "
+          f"prefill compile {ours['prefill_compile_s']:.1f}s")
+    print("| metric | luxjax | transformers | ratio |\n|---|---|---|---|")
+    for name, a, b in rows:
+        ratio = f"{a / b:.2f}" if b else "-"
+        if name.startswith("vision"):
+            ratio = f"{b / a:.2f}" if b else "-"
+        print(f"| {name} | {a:.1f} | {b:.1f} | {ratio} |" if b else f"| {name} | {a:.1f} | - | - |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""Continuous batching: one thread owns the device caches of `max_concurrency` slots and, each iteration, admits
+queued requests into free slots, runs at most one prefill chunk, then one batched decode step for every decoding
+slot. Requests talk to it through GenerationRequest objects (events flow back to their asyncio loop)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from luxjax.contract import Backend, Prompt
+from luxjax.engine.generate import PREFILL_CHUNK
+from luxjax.engine.requests import (Delta, Failed, Finished, GenerationRequest, SamplingParams, Timings,
+                                    TokenLogprob)
+from luxjax.engine.sampling import RowParams, StopStringFilter, sample_tokens, top_logprobs_width
+from luxjax.errors import RequestError
+from luxjax.vision.spans import plan_prefill_chunks
+
+log = logging.getLogger("luxjax.engine")
+
+
+@dataclass(eq=False)
+class SlotState:
+    """A request admitted into a slot: its prefill progress, generated tokens and text stream."""
+
+    request: GenerationRequest
+    image_rows: object
+    chunks: list[tuple[int, int]]
+    decoder: object
+    stops: StopStringFilter
+    admitted_at: float
+    image_encode_s: float
+    next_chunk: int = 0
+    cached: int = 0  # tokens in the slot's cache
+    last_token: int = 0
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.next_chunk < len(self.chunks)
+
+
+def internal_error(what: str, exc: BaseException) -> RequestError:
+    return RequestError(f"internal error during {what} ({type(exc).__name__}); the request was dropped",
+                        status=500, type="server_error", code="internal_error")
+
+
+def busy_error(message: str) -> RequestError:
+    return RequestError(message, status=503, type="server_error", code="server_busy")
+
+
+@partial(jax.jit, static_argnames=("axes",))
+def copy_slot(caches, slot, axes):
+    return [jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=a) for x, a in zip(jax.tree.leaves(caches), axes)]
+
+
+@partial(jax.jit, static_argnames=("axes",), donate_argnames=("caches",))
+def restore_slot(caches, rows, slot, axes):
+    leaves, treedef = jax.tree.flatten(caches)
+    return treedef.unflatten([jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=a)
+                              for x, r, a in zip(leaves, rows, axes)])
+
+
+@partial(jax.jit, donate_argnames=("counts",))
+def count_tokens(counts, tokens, active):
+    return counts.at[jnp.arange(counts.shape[0]), tokens].add(active.astype(counts.dtype))
+
+
+@partial(jax.jit, donate_argnames=("counts",))
+def clear_row(counts, slot):
+    return counts.at[slot].set(0)
+
+
+class Engine:
+    def __init__(self, backend: Backend, *, max_concurrency: int = 4, max_queue: int = 64, max_ctx: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, prompt_workers: int = 2):
+        self.backend = backend
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.max_ctx = min(max_ctx or backend.max_context, backend.max_context)
+        self.prefill_chunk = prefill_chunk
+        self.eos_ids = frozenset(backend.tokenizer.eos_token_ids)
+        self._prompt_pool = ThreadPoolExecutor(prompt_workers, thread_name_prefix="luxjax-prompt")
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._slots: list[SlotState | None] = [None] * max_concurrency
+        self._caches = backend.init_cache(max_concurrency, self.max_ctx)
+        bigger = jax.eval_shape(lambda: backend.init_cache(max_concurrency + 1, self.max_ctx))
+        self._slot_axes = tuple(_differing_axis(a.shape, b.shape)
+                                for a, b in zip(jax.tree.leaves(self._caches), jax.tree.leaves(bigger)))
+        self._counts = jnp.zeros((max_concurrency, backend.vocab_size), jnp.int32)
+        self._thread = threading.Thread(target=self._run, name="luxjax-scheduler", daemon=True)
+
+    # --- event-loop side ------------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active_slots(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def check_capacity(self) -> None:
+        """Refuse early (before preparing the prompt) when the queue is already full."""
+        if len(self._queue) >= self.max_queue + self.max_concurrency - self.active_slots:
+            raise busy_error(f"the server is busy ({self.max_queue} requests waiting); retry later")
+
+    async def prepare_chat(self, messages) -> Prompt:
+        """Parse, decode and preprocess images and render the chat template, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self.backend.render_prompt, messages)
+
+    async def prepare_text(self, text: str) -> Prompt:
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self.backend.text_prompt, text)
+
+    def resolve_max_tokens(self, prompt: Prompt, params: SamplingParams) -> int:
+        """The number of tokens to generate at most; 400 context_length_exceeded when they cannot fit."""
+        wanted = params.max_tokens if params.max_tokens is not None else max(self.max_ctx - prompt.num_tokens, 1)
+        if prompt.num_tokens + wanted > self.max_ctx:
+            raise RequestError(
+                f"this request needs {prompt.num_tokens + wanted} tokens ({prompt.num_tokens} prompt tokens incl. "
+                f"{prompt.num_image_tokens} image tokens + {wanted} to generate) but the context is {self.max_ctx}",
+                code="context_length_exceeded", param="max_tokens" if params.max_tokens is not None else "messages")
+        return wanted
+
+    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> GenerationRequest:
+        """Queue a request (call from the event loop that will read its events)."""
+        max_tokens = self.resolve_max_tokens(prompt, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        request = GenerationRequest(request_id, prompt, params, max_tokens, seed, asyncio.get_running_loop())
+        with self._lock:
+            if self._stopping:
+                raise busy_error("the server is shutting down")
+            free = self.max_concurrency - self.active_slots
+            if len(self._queue) >= self.max_queue + free:
+                raise busy_error(f"the server is busy ({self.max_queue} requests waiting); retry later")
+            self._queue.append(request)
+        self._wake.set()
+        return request
+
+    def cancel(self, request: GenerationRequest) -> None:
+        request.cancel()
+        self._wake.set()
+
+    # --- scheduler thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    break
+                idle = not self._queue and self.active_slots == 0
+                if idle:
+                    self._wake.clear()
+            if idle:
+                self._wake.wait(1.0)
+                continue
+            try:
+                self._drop_cancelled()
+                self._admit()
+                self._prefill_one_chunk()
+                self._decode_step()
+            except Exception as exc:  # a bug in the loop itself: fail what is in flight, keep serving
+                log.exception("scheduler iteration failed")
+                self._fail_all(internal_error("scheduling", exc))
+        self._fail_all(busy_error("the server is shutting down"))
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            kept = [r for r in self._queue if not r.cancelled.is_set()]
+            dropped = [r for r in self._queue if r.cancelled.is_set()]
+            self._queue = collections.deque(kept)
+        for request in dropped:
+            request.send(Finished("cancelled", request.prompt.num_tokens, 0, self._timings_unadmitted(request)))
+        for i, seq in enumerate(self._slots):
+            if seq is not None and seq.request.cancelled.is_set():
+                self._finish(i, "cancelled")
+
+    def _admit(self) -> None:
+        for i in range(self.max_concurrency):
+            if self._slots[i] is not None:
+                continue
+            with self._lock:
+                if not self._queue:
+                    return
+                request = self._queue.popleft()
+            try:
+                self._slots[i] = self._start_sequence(request)
+                self._counts = clear_row(self._counts, i)
+            except Exception as exc:
+                log.warning("request %s: image encoding failed: %s", request.request_id, exc)
+                request.send(Failed(exc if isinstance(exc, RequestError) else internal_error("image encoding", exc)))
+                self._recover_caches()
+
+    def _start_sequence(self, request: GenerationRequest) -> SlotState:
+        prompt = request.prompt
+        began = time.perf_counter()
+        rows = None
+        if prompt.image_spans:
+            rows = self.backend.encode_images(prompt.image_inputs)
+            jax.block_until_ready(rows)
+        chunks = plan_prefill_chunks(prompt.num_tokens, prompt.image_spans, self.prefill_chunk,
+                                     self.backend.keep_images_whole)
+        return SlotState(request, rows, chunks, self.backend.tokenizer.incremental_decoder(),
+                        StopStringFilter(request.params.stop), admitted_at=began,
+                        image_encode_s=time.perf_counter() - began)
+
+    def _prefill_one_chunk(self) -> None:
+        waiting = [(s.admitted_at, i) for i, s in enumerate(self._slots) if s is not None and s.prefilling]
+        if not waiting:
+            return
+        _, i = min(waiting)
+        seq = self._slots[i]
+        begin, end = seq.chunks[seq.next_chunk]
+        try:
+            logits, self._caches = self.backend.prefill(self._caches, i, seq.request.prompt, seq.image_rows, begin, end)
+        except Exception as exc:
+            log.exception("request %s: prefill failed", seq.request.request_id)
+            self._slots[i] = None
+            seq.request.send(Failed(exc if isinstance(exc, RequestError) else internal_error("prefill", exc)))
+            self._recover_caches()
+            return
+        seq.next_chunk += 1
+        seq.cached = end
+        if seq.prefilling:
+            return
+        seq.image_rows = None
+        params = seq.request.params
+        row = RowParams.build([(params, seq.request.seed, 0)])
+        token, logprob, top_ids, top_values = sample_tokens(
+            jnp.reshape(logits, (1, -1)), jnp.zeros((1, self.backend.vocab_size), jnp.int32), row,
+            top_logprobs=top_logprobs_width([params]))
+        self._counts = count_tokens(self._counts, jnp.full((self.max_concurrency,), token[0]),
+                                    jnp.arange(self.max_concurrency) == i)
+        self._accept(i, *_host_row(token, logprob, top_ids, top_values, 0))
+
+    def _decode_step(self) -> None:
+        decoding = [i for i, s in enumerate(self._slots) if s is not None and not s.prefilling]
+        if not decoding:
+            return
+        B = self.max_concurrency
+        tokens, cached, deltas = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        rows: list = [None] * B
+        for i, seq in enumerate(self._slots):
+            if seq is None:
+                continue
+            cached[i] = seq.cached  # a slot still prefilling writes its dummy at a row its next chunk overwrites
+            if i in decoding:
+                tokens[i], deltas[i] = seq.last_token, seq.request.prompt.rope_delta
+                rows[i] = (seq.request.params, seq.request.seed, len(seq.generated))
+        # decode advances every row's recurrent state: keep the rows of sequences between prefill chunks intact
+        saved = [(i, copy_slot(self._caches, i, self._slot_axes)) for i, s in enumerate(self._slots)
+                 if s is not None and s.prefilling and s.cached > 0]
+        try:
+            logits, self._caches = self.backend.decode(self._caches, tokens, cached, deltas)
+            for i, kept in saved:
+                self._caches = restore_slot(self._caches, kept, i, self._slot_axes)
+            active = np.zeros(B, bool)
+            active[decoding] = True
+            out = sample_tokens(logits, self._counts, RowParams.build(rows),
+                                top_logprobs=top_logprobs_width([r[0] if r else None for r in rows]))
+            self._counts = count_tokens(self._counts, out[0], jnp.asarray(active))
+            host = [np.asarray(x) for x in out]
+        except Exception as exc:
+            log.exception("decode step failed")
+            for i in decoding:
+                self._slots[i].request.send(Failed(internal_error("decoding", exc)))
+                self._slots[i] = None
+            self._recover_caches()
+            return
+        for i in decoding:
+            self._slots[i].cached += 1
+            self._accept(i, *_host_row(*host, i))
+
+    def _accept(self, i: int, token: int, logprob: TokenLogprob | None) -> None:
+        """Record one sampled token of slot i: stream its text, and finish on eos, a stop string or max_tokens."""
+        seq = self._slots[i]
+        now = time.perf_counter()
+        if seq.last_token_at is not None:
+            seq.gaps.append(now - seq.last_token_at)
+        seq.first_token_at = seq.first_token_at or now
+        seq.last_token_at = now
+        logprobs = (logprob,) if logprob is not None and seq.request.params.logprobs else ()
+        if token in self.eos_ids:
+            tail = seq.stops.push(seq.decoder.flush())
+            tail += seq.stops.flush()
+            if tail or logprobs:
+                seq.request.send(Delta(tail, (), logprobs))
+            self._finish(i, "stop")
+            return
+        seq.generated.append(token)
+        seq.last_token = token
+        text = seq.stops.push(seq.decoder.push(token))
+        finish = "stop" if seq.stops.stopped else None
+        if finish is None and len(seq.generated) >= seq.request.max_tokens:
+            text += seq.stops.push(seq.decoder.flush())
+            text += seq.stops.flush()
+            finish = "stop" if seq.stops.stopped else "length"
+        seq.request.send(Delta(text, (token,), logprobs))
+        if finish:
+            self._finish(i, finish)
+
+    def _finish(self, i: int, reason: str) -> None:
+        seq = self._slots[i]
+        self._slots[i] = None
+        request = seq.request
+        now = time.perf_counter()
+        timings = Timings(
+            queued_s=seq.admitted_at - request.submitted_at, image_encode_s=seq.image_encode_s,
+            time_to_first_token_s=(seq.first_token_at or now) - request.submitted_at,
+            total_s=now - request.submitted_at, inter_token_s=tuple(seq.gaps))
+        request.send(Finished(reason, request.prompt.num_tokens, len(seq.generated), timings))
+
+    @staticmethod
+    def _timings_unadmitted(request: GenerationRequest) -> Timings:
+        waited = time.perf_counter() - request.submitted_at
+        return Timings(waited, 0.0, waited, waited, ())
+
+    def _recover_caches(self) -> None:
+        """After a failed device call the donated caches may be gone: rebuild them and fail the other sequences."""
+        if not any(x.is_deleted() for x in jax.tree.leaves(self._caches)):
+            return
+        log.error("device caches were lost; failing the sequences in flight")
+        self._fail_slots(internal_error("a failed device call", RuntimeError("caches lost")))
+        self._caches = self.backend.init_cache(self.max_concurrency, self.max_ctx)
+        self._counts = jnp.zeros((self.max_concurrency, self.backend.vocab_size), jnp.int32)
+
+    def _fail_slots(self, error: RequestError) -> None:
+        for i, seq in enumerate(self._slots):
+            if seq is not None:
+                seq.request.send(Failed(error))
+                self._slots[i] = None
+
+    def _fail_all(self, error: RequestError) -> None:
+        self._fail_slots(error)
+        with self._lock:
+            pending, self._queue = list(self._queue), collections.deque()
+        for request in pending:
+            request.send(Failed(error))
+
+
+def _differing_axis(small: tuple[int, ...], big: tuple[int, ...]) -> int:
+    """The slot axis of one cache array: the one axis whose size grows with the number of slots."""
+    axes = [k for k, (a, b) in enumerate(zip(small, big)) if a != b]
+    if len(axes) != 1:
+        raise ValueError(f"cannot find the slot axis of a cache array: shapes {small} and {big}")
+    return axes[0]
+
+
+def _host_row(tokens, logprobs, top_ids, top_values, row: int) -> tuple[int, TokenLogprob]:
+    tokens, logprobs, top_ids, top_values = (np.asarray(x) for x in (tokens, logprobs, top_ids, top_values))
+    top = tuple((int(t), float(v)) for t, v in zip(top_ids[row], top_values[row]))
+    return int(tokens[row]), TokenLogprob(int(tokens[row]), float(logprobs[row]), top)

@@ -1,0 +1,367 @@
+"""Shared machinery of the Qwen3.5 model tests: random tiny checkpoints written by transformers, the transformers
+reference (eager, float32 or bfloat16), prompts with random images, and the luxjax side of a comparison.
+
+Compile cost dominates these tests (jax compiles once per shape), so prompts are drawn to land in a few fixed shapes:
+every random prompt has 129..244 tokens (prefill bucket 256, cache 256) and its images 129..256 patches in all
+(vision bucket 256), whatever the number of images.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35-tiny-a"
+FIXTURE_HF = FIXTURE / "hf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+VOCAB = 1024
+EOS, PAD, IM_START = 1009, 1010, 1011
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 1012, 1013, 1014, 1015
+NORMAL_TOKENS = 1009  # ids below this are ordinary byte-level BPE tokens
+
+PROMPT_TOKENS = (129, 244)  # prefill bucket 256, cache length 256 with 12 tokens to generate
+IMAGE_PATCHES = (129, 256)  # vision bucket 256
+GREEDY_STEPS = 12
+
+
+def fresh_seed() -> int:
+    return int(np.random.SeedSequence().entropy % (2**31))
+
+
+def max_abs(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def worst_row(a, b) -> int:
+    return int(np.argmax(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), axis=-1)))
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+@dataclass
+class Spec:
+    """A random tiny Qwen3.5 checkpoint. `text` / `vision` are transformers config dicts (vision None: text only)."""
+
+    name: str
+    text: dict
+    vision: dict | None
+    tie: bool = False
+    min_pixels: int = 4096
+    max_pixels: int = 32 * 32 * 64
+    extra: dict = field(default_factory=dict)
+
+
+def text_config(**kw) -> dict:
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        eos_token_id=EOS, pad_token_id=PAD, hidden_act="silu",
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                             mrope_interleaved=True),
+    )
+    base.update(kw)
+    return base
+
+
+def vision_config(**kw) -> dict:
+    base = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=64, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=64,
+                hidden_act="gelu_pytorch_tanh")
+    base.update(kw)
+    return base
+
+
+def randomize_(model, seed: int, *, head_scale: float = 5.0):
+    """Weights of meaningful size (the transformers init leaves norms at identity and activations tiny): linears
+    N(0, 1/fan_in), norm weights around their identity, random DeltaNet gates; the output head scaled so that
+    next-token distributions are peaked (greedy parity is meaningful). All values rounded to bf16 so that the
+    bf16 runs of both sides start from the same weights."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape, std, mean=0.0):
+        return torch.randn(shape, generator=gen) * std + mean
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = p.shape
+            if name.endswith("A_log"):
+                value = torch.log(torch.rand(shape, generator=gen) * 3.5 + 0.5)
+            elif name.endswith("dt_bias"):
+                value = normal(shape, 0.5)
+            elif name.endswith("conv1d.weight"):
+                value = normal(shape, 0.5)
+            elif name.endswith("linear_attn.norm.weight") or (".visual." in f".{name}" and "norm" in name
+                                                              and name.endswith("weight")):
+                value = normal(shape, 0.2, 1.0)  # weights multiplied as is: identity is 1
+            elif p.ndim == 1 and "norm" in name:
+                value = normal(shape, 0.2)  # zero-centred RMSNorm: identity is 0
+            elif name.endswith("bias"):
+                value = normal(shape, 0.1)
+            elif "embed_tokens" in name:
+                value = normal(shape, (head_scale if model.config.get_text_config().tie_word_embeddings else 1.0)
+                               / shape[1] ** 0.5)
+            elif name.endswith("lm_head.weight"):
+                value = normal(shape, head_scale / shape[1] ** 0.5)
+            elif name.endswith("pos_embed.weight"):
+                value = normal(shape, 0.3)
+            else:
+                fan_in = int(np.prod(shape[1:]))
+                value = normal(shape, fan_in**-0.5)
+            p.copy_(value.to(torch.bfloat16).to(torch.float32))
+
+
+def write_checkpoint(spec: Spec, directory: Path, seed: int) -> Path:
+    """transformers builds the model from `spec`, randomizes it with `seed` and saves it (float32) with the
+    fixture's tokenizer files and a preprocessor config with the spec's pixel bounds."""
+    import torch
+    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5TextConfig)
+
+    torch.manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    if spec.vision is None:
+        config = Qwen3_5TextConfig(**copy.deepcopy(spec.text), tie_word_embeddings=spec.tie)
+        model = Qwen3_5ForCausalLM(config)
+    else:
+        config = Qwen3_5Config(
+            text_config={**copy.deepcopy(spec.text), "tie_word_embeddings": spec.tie},
+            vision_config=copy.deepcopy(spec.vision), image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+            vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=spec.tie,
+            **spec.extra,
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+    randomize_(model, seed)
+    model.eval()
+    model.save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        shutil.copy(FIXTURE_HF / name, directory / name)
+    if spec.vision is not None:
+        pre = json.loads((FIXTURE_HF / "preprocessor_config.json").read_text())
+        pre["size"] = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
+        (directory / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    return directory
+
+
+def load_reference(directory: Path, dtype: str = "float32"):
+    """The saved checkpoint, read back by transformers (what luxjax reads too), eager attention."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    arch = json.loads((directory / "config.json").read_text())["architectures"][0]
+    cls = Qwen3_5ForCausalLM if arch == "Qwen3_5ForCausalLM" else Qwen3_5ForConditionalGeneration
+    model = cls.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def image_processor(directory: Path):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    return Qwen2VLImageProcessorPil.from_dict(copy.deepcopy(config))
+
+
+# --- prompts -------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """One prompt: ids with pads already expanded, the processor's pixels and grids, and the images."""
+
+    label: str
+    input_ids: list[int]
+    images: list[Image.Image]
+    pixel_values: np.ndarray | None = None
+    grid_thw: np.ndarray | None = None
+
+    @property
+    def num_tokens_per_image(self) -> list[int]:
+        return [] if self.grid_thw is None else [int(t * h * w // 4) for t, h, w in self.grid_thw]
+
+    @property
+    def mm_token_type_ids(self) -> np.ndarray:
+        return (np.asarray(self.input_ids) == IMAGE_PAD).astype(np.int64)
+
+    def image_inputs(self):
+        from luxjax.vision.types import ImageInputs
+
+        if self.grid_thw is None:
+            return None
+        return ImageInputs(self.pixel_values, self.grid_thw, self.num_tokens_per_image)
+
+
+def random_image(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+    """Smooth random structure plus noise (a resize of it is not trivially flat)."""
+    small = rng.integers(0, 256, size=(max(2, height // 16), max(2, width // 16), 3), dtype=np.uint8)
+    base = np.asarray(Image.fromarray(small).resize((width, height), Image.BILINEAR), dtype=np.int16)
+    noise = rng.integers(-40, 41, size=base.shape)
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+
+
+def image_tokens(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    h, w = smart_resize(height, width, factor=32, min_pixels=min_pixels, max_pixels=max_pixels)
+    return (h // 32) * (w // 32)
+
+
+def image_sizes(rng: np.random.Generator, count: int, min_pixels: int, max_pixels: int,
+                patches=IMAGE_PATCHES) -> list[tuple[int, int]]:
+    """`count` random (width, height) whose images take `patches` patches in all (4 patches per token), all of
+    different token counts."""
+    for _ in range(10000):
+        sizes = [(int(rng.integers(40, 420)), int(rng.integers(40, 420))) for _ in range(count)]
+        tokens = [image_tokens(w, h, min_pixels, max_pixels) for w, h in sizes]
+        if patches[0] <= 4 * sum(tokens) <= patches[1] and len(set(tokens)) == count:
+            return sizes
+    raise AssertionError(f"no {count} image sizes found for {patches} patches")
+
+
+def make_case(rng: np.random.Generator, label: str, num_images: int, processor=None, *, min_pixels=None,
+              max_pixels=None, total_tokens=PROMPT_TOKENS, patches=IMAGE_PATCHES) -> Case:
+    """A chat-shaped prompt of random ordinary tokens with `num_images` random images between text runs,
+    processed by transformers' image processor, of a random length in `total_tokens`."""
+    images = [random_image(rng, w, h) for w, h in image_sizes(rng, num_images, min_pixels, max_pixels, patches)] \
+        if num_images else []
+    pixel_values = grid = None
+    counts: list[int] = []
+    if images:
+        out = processor(images=images, return_tensors="np")
+        pixel_values = np.asarray(out["pixel_values"], np.float32)
+        grid = np.asarray(out["image_grid_thw"], np.int64)
+        counts = [int(t * h * w // 4) for t, h, w in grid]
+    fixed = 3 + 5 + 2 * num_images + sum(counts)  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
+    total = int(rng.integers(total_tokens[0], total_tokens[1] + 1))
+    text_budget = total - fixed
+    assert text_budget >= num_images + 1, (total, fixed)
+    cuts = np.sort(rng.choice(np.arange(1, text_budget), size=num_images, replace=False)) if num_images else []
+    runs = np.diff(np.concatenate([[0], cuts, [text_budget]])).astype(int)
+    words = rng.integers(0, NORMAL_TOKENS, size=text_budget).tolist()
+    head, tail = rng.integers(0, NORMAL_TOKENS, size=2).tolist(), rng.integers(0, NORMAL_TOKENS, size=3).tolist()
+    ids = [IM_START] + head  # <|im_start|>user\n
+    pos = 0
+    for i, run in enumerate(runs):
+        ids += words[pos : pos + run]
+        pos += run
+        if i < num_images:
+            ids += [VISION_START] + [IMAGE_PAD] * counts[i] + [VISION_END]
+    ids += [EOS, tail[0], IM_START] + tail[1:]  # <|im_end|>\n<|im_start|>assistant\n
+    assert len(ids) == total, (len(ids), total)
+    return Case(label, ids, images, pixel_values, grid)
+
+
+# --- the transformers side -------------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    logits: np.ndarray  # [T, V] float32
+    greedy: list[int]  # generated tokens (ends with eos when it stopped there)
+    step_logits: np.ndarray  # [len(greedy), V]: the distribution each generated token was taken from
+    image_features: np.ndarray | None  # merger output, one row per image token
+
+
+def _torch_inputs(case: Case):
+    import torch
+
+    kw = dict(input_ids=torch.tensor([case.input_ids]), attention_mask=torch.ones(1, len(case.input_ids), dtype=torch.long))
+    if case.grid_thw is not None:
+        kw.update(pixel_values=torch.from_numpy(case.pixel_values), image_grid_thw=torch.from_numpy(case.grid_thw),
+                  mm_token_type_ids=torch.from_numpy(case.mm_token_type_ids[None]))
+    return kw
+
+
+def reference(model, case: Case, *, generate: bool = True) -> Reference:
+    import torch
+
+    kw = _torch_inputs(case)
+    features = None
+    with torch.no_grad():
+        if hasattr(model, "model") and hasattr(model.model, "visual"):
+            model.model.rope_deltas = None
+        logits = model(**kw).logits[0].float().numpy()
+        if case.grid_thw is not None:
+            out = model.model.get_image_features(kw["pixel_values"].to(model.dtype), kw["image_grid_thw"])
+            features = torch.cat(list(out.pooler_output)).float().numpy()
+        greedy, steps = [], np.zeros((0, logits.shape[-1]), np.float32)
+        if generate:
+            if hasattr(model, "model") and hasattr(model.model, "visual"):
+                model.model.rope_deltas = None
+            gen = model.generate(**kw, do_sample=False, max_new_tokens=GREEDY_STEPS, eos_token_id=EOS,
+                                 pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+            greedy = gen.sequences[0, len(case.input_ids):].tolist()
+            steps = torch.cat(gen.logits).float().numpy()
+    return Reference(logits, greedy, steps, features)
+
+
+# --- the luxjax side --------------------------------------------------------------------------------------------
+@dataclass
+class LuxRun:
+    logits: np.ndarray  # [T, V] every prompt position, one prefill
+    greedy: list[int]
+    step_logits: np.ndarray  # [len(greedy), V]
+
+
+def luxjax_run(backend, case: Case, steps: int = GREEDY_STEPS, eos=(EOS,)) -> LuxRun:
+    """One prefill of the whole prompt (all logits), then greedy decode through backend.decode, stopping after eos."""
+    from luxjax.engine.generate import cache_length, prefill_prompt
+
+    prompt = backend.prompt_from_ids(case.input_ids, case.image_inputs())
+    caches = backend.init_cache(1, cache_length(prompt.num_tokens, steps, backend.max_context))
+    logits, caches = prefill_prompt(backend, caches, 0, prompt, all_logits=True)
+    logits = np.asarray(logits, np.float32)
+    last = logits[-1]
+    tokens, step_logits = [], []
+    cached = prompt.num_tokens
+    for _ in range(steps):
+        step_logits.append(last)
+        token = int(np.argmax(last))
+        tokens.append(token)
+        if token in eos or len(tokens) == steps:
+            break
+        out, caches = backend.decode(caches, np.array([token]), np.array([cached]), np.array([prompt.rope_delta]))
+        last = np.asarray(out, np.float32)[0]
+        cached += 1
+    return LuxRun(logits, tokens, np.stack(step_logits))
+
+
+def compare_greedy(lux_tokens, lux_steps, ref_tokens, ref_steps, *, tol: float, where: str) -> tuple[int, float]:
+    """Greedy continuations must be identical, and the logits each token was picked from must agree within `tol`.
+    The one tolerated difference: a step where the reference's own top-2 margin is below `tol` (a tie at float32
+    noise; stated in the message, then the comparison ends there). Returns (steps compared, max logit diff)."""
+    worst = 0.0
+    for i, ref_token in enumerate(ref_tokens):
+        assert i < len(lux_tokens), f"{where}: luxjax stopped after {len(lux_tokens)} tokens, reference {ref_tokens}"
+        diff = max_abs(lux_steps[i], ref_steps[i])
+        worst = max(worst, diff)
+        top2 = np.sort(ref_steps[i])[-2:]
+        if lux_tokens[i] != ref_token:
+            margin = float(top2[1] - top2[0])
+            assert margin < tol, (
+                f"{where}: greedy differs at step {i}: luxjax {lux_tokens[: i + 1]} vs transformers "
+                f"{ref_tokens[: i + 1]} (reference top-2 margin {margin:.4g}, logits diff {diff:.3g})")
+            print(f"{where}: near-tie at step {i} (margin {margin:.3g}); compared {i} steps")
+            return i, worst
+        assert diff <= tol, f"{where}: step {i} logits differ by {diff:.3g} > {tol}"
+        if ref_token == EOS:
+            return i + 1, worst
+    assert len(ref_tokens) == GREEDY_STEPS or ref_tokens[-1] == EOS, ref_tokens
+    return len(ref_tokens), worst
+
+
+# --- bf16 measures --------------------------------------------------------------------------------------------
+def top1_agreement(logits, ref) -> float:
+    return float(np.mean(np.argmax(logits, -1) == np.argmax(ref, -1)))
+
+
+def mean_cosine(logits, ref) -> float:
+    a, b = np.asarray(logits, np.float64), np.asarray(ref, np.float64)
+    return float(np.mean(np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))))

@@ -17,15 +17,12 @@ from luxjax.vision.types import ImageInputs
 ASSETS = Path(__file__).parent / "assets"
 
 
-def default_model_paths() -> tuple[Path, Path | None]:
-    """The small model that ships inside the package: (decoder, projector)."""
+def default_model_path() -> Path:
+    """The small model that ships inside the package (a Hugging Face directory with its vision tower)."""
     folder = ASSETS / "default"
-    decoder = next(iter(sorted(folder.glob("*.gguf"))), None)
-    decoders = [p for p in sorted(folder.glob("*.gguf")) if not p.name.startswith("mmproj")]
-    projectors = [p for p in sorted(folder.glob("mmproj*.gguf"))]
-    if decoder is None or not decoders:
+    if not (folder / "config.json").exists():
         raise ModelFormatError(f"no default model in {folder}")
-    return decoders[0], (projectors[0] if projectors else None)
+    return folder
 
 
 @dataclass
@@ -77,13 +74,13 @@ class Model:
 
 
 def load(path=None, mmproj=None, dtype: str = "bfloat16", *, max_context: int | None = None,
-         progress: bool = True) -> Model:
+         progress: bool = True, cache_dir=None) -> Model:
     """A Hugging Face directory (config.json + safetensors) or a GGUF decoder (+ optional mmproj GGUF).
-    With no path, the default model shipped in the package."""
+    With no path, the default model shipped in the package. `cache_dir`: keep the prepared parameters there, so
+    that the next load of the same files skips reading and converting them (luxjax/checkpoint/param_cache.py)."""
     from luxjax.models.registry import load_backend
 
     if path is None:
-        path, default_projector = default_model_paths()
-        mmproj = mmproj if mmproj is not None else default_projector
+        path = default_model_path()
     return Model(load_backend(Path(path), None if mmproj is None else Path(mmproj), dtype,
-                              max_context=max_context, progress=progress))
+                              max_context=max_context, progress=progress, cache_dir=cache_dir))

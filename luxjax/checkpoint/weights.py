@@ -35,3 +35,12 @@ class WeightSource:
 
     def names(self):
         return list(self._tensors)
+
+    def storage_signature(self, prefix: str) -> tuple:
+        """How the tensors under `prefix` are stored (name, packed format, shape): layers whose signatures agree
+        can be stacked into one array per parameter."""
+        return tuple(
+            (name[len(prefix):], str(getattr(value, "ggml_type", "dense")), tuple(value.shape))
+            for name, value in sorted(self._tensors.items())
+            if name.startswith(prefix)
+        )

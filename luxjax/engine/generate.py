@@ -2,11 +2,14 @@
 batches many sequences through the same backend calls)."""
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
-import jax
 import jax.numpy as jnp
 
 from luxjax.contract import Backend, Prompt
+from luxjax.engine.requests import SamplingParams
+from luxjax.engine.sampling import RowParams, sample_tokens
 from luxjax.errors import RequestError
 from luxjax.vision.spans import plan_prefill_chunks
 
@@ -47,15 +50,16 @@ def generate(backend: Backend, prompt: Prompt, *, max_tokens: int, temperature: 
 
     caches = backend.init_cache(1, cache_length(prompt.num_tokens, max_tokens, backend.max_context))
     logits, caches = prefill_prompt(backend, caches, 0, prompt, chunk=chunk)
-    key = jax.random.key(np.random.SeedSequence(seed).entropy % (2**63) if seed is None else seed)
+    params = SamplingParams(temperature=max(temperature, 0.0))
+    seed = secrets.randbits(32) if seed is None else seed
+    no_counts = jnp.zeros((1, backend.vocab_size), jnp.int32)
     eos = set(backend.tokenizer.eos_token_ids)
     tokens: list[int] = []
     finish = "length"
     cached = prompt.num_tokens
     for _ in range(max_tokens):
-        key, sub = jax.random.split(key)
-        logits = jnp.reshape(logits, (-1,))
-        token = int(jnp.argmax(logits) if temperature <= 0 else jax.random.categorical(sub, logits / temperature))
+        picked = sample_tokens(jnp.reshape(logits, (1, -1)), no_counts, RowParams.build([(params, seed, len(tokens))]))
+        token = int(picked[0][0])  # the server's sampler: same seed and temperature, same tokens
         if token in eos:
             finish = "stop"
             break

@@ -114,7 +114,7 @@ class StopStringFilter:
 
     Text that could be the beginning of a stop string is held back until the next piece proves it is not. The
     concatenation of everything emitted (plus `flush()` when no stop string was hit) is the generated text cut
-    just before the first stop string.
+    just before the stop string that completes first, however the text is split into pieces.
     """
 
     def __init__(self, stops: Sequence[str]):
@@ -127,11 +127,11 @@ class StopStringFilter:
         if self.stopped:
             return ""
         pending = self.held + text
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hits = [(i + len(s), i) for s, i in ((s, pending.find(s)) for s in self.stops) if i >= 0]
+        if hits:  # the stop string that completes first (as if text arrived one character at a time)
             self.stopped = True
             self.held = ""
-            return pending[: min(hits)]
+            return pending[: min(hits)[1]]
         keep = self._longest_stop_prefix_suffix(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep]

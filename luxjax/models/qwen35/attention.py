@@ -19,16 +19,16 @@ class KVCache(NamedTuple):
 
 
 class GatedAttention(nnx.Module):
-    def __init__(self, cfg: TextConfig, w: dict):
+    def __init__(self, cfg: TextConfig, w):
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = Linear(w["q_proj.weight"])
-        self.k_proj = Linear(w["k_proj.weight"])
-        self.v_proj = Linear(w["v_proj.weight"])
-        self.o_proj = Linear(w["o_proj.weight"])
-        self.q_norm = ZeroCenteredRMSNorm(w["q_norm.weight"], cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(w["k_norm.weight"], cfg.rms_norm_eps)
+        self.q_proj = Linear(w("q_proj.weight"))
+        self.k_proj = Linear(w("k_proj.weight"))
+        self.v_proj = Linear(w("v_proj.weight"))
+        self.o_proj = Linear(w("o_proj.weight"))
+        self.q_norm = ZeroCenteredRMSNorm(w("q_norm.weight"), cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(w("k_norm.weight"), cfg.rms_norm_eps)
 
     def __call__(self, x, cos, sin, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
         """x [B, T, hidden]; cos/sin [B, T, rotary_dim]; start [B] = tokens already cached per sequence."""

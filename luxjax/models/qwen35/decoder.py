@@ -20,10 +20,10 @@ PREFIX = "model.language_model."
 
 
 class MLP(nnx.Module):
-    def __init__(self, w: dict):
-        self.gate_proj = Linear(w["gate_proj.weight"])
-        self.up_proj = Linear(w["up_proj.weight"])
-        self.down_proj = Linear(w["down_proj.weight"])
+    def __init__(self, w: Callable[[str], object]):
+        self.gate_proj = Linear(w("gate_proj.weight"))
+        self.up_proj = Linear(w("up_proj.weight"))
+        self.down_proj = Linear(w("down_proj.weight"))
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -51,15 +51,11 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
-class _Scoped(dict):
-    """Read-only view of a weight getter under a name prefix (used as a mapping by the layer constructors)."""
+class _Scoped:
+    """A weight getter for the names under `prefix`."""
 
     def __init__(self, get: Callable[[str], object], prefix: str):
-        super().__init__()
         self._get, self._prefix = get, prefix
-
-    def __getitem__(self, name):
-        return self._get(self._prefix + name)
 
     def __call__(self, name):
         return self._get(self._prefix + name)
@@ -69,36 +65,59 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
+def scan_segments(weights, cfg: TextConfig, pattern, repeats: int) -> tuple[tuple[int, int], ...]:
+    """Runs of consecutive pattern repeats whose layers are stored alike. A GGUF quantization mix (e.g. Q4_K_M's
+    Q6_K `ffn_down` in some layers) cannot share one stacked array with its neighbours, so each run gets its own
+    scan; uniform checkpoints give a single run."""
+    period = len(pattern)
+
+    def signature(r):
+        return tuple(weights.storage_signature(f"{PREFIX}layers.{r * period + j}.") for j in range(period))
+
+    segments, start = [], 0
+    for r in range(1, repeats + 1):
+        if r == repeats or signature(r) != signature(start):
+            segments.append((start, r))
+            start = r
+    return tuple(segments)
+
+
 class TextDecoder(nnx.Module):
     def __init__(self, cfg: TextConfig, weights: Callable[[str], object]):
         self.cfg = cfg
         self.pattern, self.repeats = cfg.layer_pattern()
         period = len(self.pattern)
         self.embed_tokens = Embedding(weights(PREFIX + "embed_tokens.weight"))
-        self.stacks = nnx.List()
-        for j, layer_type in enumerate(self.pattern):
-            layers = [
-                DecoderLayer(cfg, layer_type, _Scoped(weights, f"{PREFIX}layers.{r * period + j}."))
-                for r in range(self.repeats)
-            ]
-            graphdef, *_ = nnx.split(layers[0])
-            states = [nnx.split(layer)[1] for layer in layers]
-            self.stacks.append(nnx.merge(graphdef, _stack(states)))
-            del layers
+        self.segments = scan_segments(weights, cfg, self.pattern, self.repeats)
+        self.stacks = nnx.List()  # [segment][pattern position] -> layer module with stacked parameters
+        for first, last in self.segments:
+            segment = nnx.List()
+            for j, layer_type in enumerate(self.pattern):
+                layers = [
+                    DecoderLayer(cfg, layer_type, _Scoped(weights, f"{PREFIX}layers.{r * period + j}."))
+                    for r in range(first, last)
+                ]
+                graphdef, *_ = nnx.split(layers[0])
+                segment.append(nnx.merge(graphdef, _stack([nnx.split(layer)[1] for layer in layers])))
+                del layers
+            self.stacks.append(segment)
         self.norm = ZeroCenteredRMSNorm(weights(PREFIX + "norm.weight"), cfg.rms_norm_eps)
-        head = weights.get("lm_head.weight") if hasattr(weights, "get") else None
+        head = weights.get("lm_head.weight")
         self.lm_head = Linear(head) if head is not None else None
 
     def init_cache(self, batch: int, max_len: int, dtype) -> list:
-        """One cache per pattern position, each stacked over the repeats."""
+        """Per scan segment, one cache per pattern position stacked over the segment's repeats."""
         caches = []
-        for layer_type in self.pattern:
-            one = (
-                empty_kv_cache(self.cfg, batch, max_len, dtype)
-                if layer_type == FULL_ATTENTION
-                else empty_deltanet_cache(self.cfg, batch, dtype)
-            )
-            caches.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (self.repeats,) + x.shape), one))
+        for first, last in self.segments:
+            segment = []
+            for layer_type in self.pattern:
+                one = (
+                    empty_kv_cache(self.cfg, batch, max_len, dtype)
+                    if layer_type == FULL_ATTENTION
+                    else empty_deltanet_cache(self.cfg, batch, dtype)
+                )
+                segment.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (last - first,) + x.shape), one))
+            caches.append(segment)
         return caches
 
     def embed(self, ids, dtype):
@@ -110,21 +129,26 @@ class TextDecoder(nnx.Module):
         inv_freq = inverse_frequencies(self.cfg.rotary_dim, self.cfg.rope_theta)
         axes = interleaved_mrope_axes(self.cfg.rotary_dim, self.cfg.mrope_section)
         cos, sin = mrope_cos_sin(positions, inv_freq, axes)
-        split = [nnx.split(stack) for stack in self.stacks]
+        caches = list(caches)
+        for s, segment in enumerate(self.stacks):
+            x, caches[s] = self._scan_segment(segment, x, caches[s], cos=cos, sin=sin, start=start, valid=valid,
+                                              chunked=chunked)
+        return self.norm(x), caches
+
+    @staticmethod
+    def _scan_segment(segment, x, caches, **kw):
+        split = [nnx.split(stack) for stack in segment]
         graphdefs = [g for g, _ in split]
-        states = [s for _, s in split]
 
         def body(h, xs):
             layer_states, layer_caches = xs
             new_caches = []
             for graphdef, state, cache in zip(graphdefs, layer_states, layer_caches):
-                layer = nnx.merge(graphdef, state)
-                h, cache = layer(h, cache, cos=cos, sin=sin, start=start, valid=valid, chunked=chunked)
+                h, cache = nnx.merge(graphdef, state)(h, cache, **kw)
                 new_caches.append(cache)
             return h, new_caches
 
-        x, caches = jax.lax.scan(body, x, (states, caches))
-        return self.norm(x), caches
+        return jax.lax.scan(body, x, ([state for _, state in split], caches))
 
     def logits(self, h):
         """float32 logits; a tied head reuses the embedding table."""

@@ -23,21 +23,22 @@ def l2_normalize(x, eps: float = 1e-6):
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg: TextConfig, w: dict):
+    def __init__(self, cfg: TextConfig, w):
         self.k_heads = cfg.linear_num_key_heads
         self.v_heads = cfg.linear_num_value_heads
         self.k_dim = cfg.linear_key_head_dim
         self.v_dim = cfg.linear_value_head_dim
         self.tiled_heads = cfg.linear_value_head_order == "tiled"
-        self.in_proj_qkv = Linear(w["in_proj_qkv.weight"])
-        self.in_proj_z = Linear(w["in_proj_z.weight"])
-        self.in_proj_b = Linear(w["in_proj_b.weight"])
-        self.in_proj_a = Linear(w["in_proj_a.weight"])
-        self.conv_weight = nnx.Param(w["conv1d.weight"])  # [conv_dim, kernel]
-        self.dt_bias = nnx.Param(w["dt_bias"])
-        self.A_log = nnx.Param(w["A_log"])
-        self.norm = GatedRMSNorm(w["norm.weight"], cfg.rms_norm_eps)
-        self.out_proj = Linear(w["out_proj.weight"])
+        self.in_proj_qkv = Linear(w("in_proj_qkv.weight"))
+        self.in_proj_z = Linear(w("in_proj_z.weight"))
+        self.in_proj_b = Linear(w("in_proj_b.weight"))
+        self.in_proj_a = Linear(w("in_proj_a.weight"))
+        conv = w("conv1d.weight")  # [conv_dim, 1, kernel] as stored
+        self.conv_weight = nnx.Param(conv.reshape(conv.shape[0], conv.shape[-1]))
+        self.dt_bias = nnx.Param(w("dt_bias"))
+        self.A_log = nnx.Param(w("A_log"))
+        self.norm = GatedRMSNorm(w("norm.weight"), cfg.rms_norm_eps)
+        self.out_proj = Linear(w("out_proj.weight"))
 
     def _conv(self, qkv, cache_conv, valid_len):
         """Causal depthwise conv over [previous inputs; this chunk], then SiLU. Returns the new conv state: the

@@ -1,0 +1,157 @@
+"""Train the packaged demo model: `python -m luxjax.demo.train [--steps N] [--batch B] [--out DIR]`.
+
+Trains the demo tokenizer, then a small Qwen3.5 (DeltaNet/attention decoder + vision tower + merger) built by the
+real model code (luxjax/models/qwen35) from a dict of Hugging Face-named arrays, which is what is optimised.
+Batches come from worker processes (spawned before JAX starts) so rendering never starves the accelerator.
+Writes DIR/params_text.npz, DIR/params_vision.npz, DIR/config.json, DIR/tokenizer.json (GGUF tokenizer metadata).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from luxjax.demo.batches import BatchMaker
+from luxjax.demo.model_init import init_params, model_config
+from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
+
+_MAKER = None
+
+
+def _init_worker(meta: dict, cfg: dict):
+    global _MAKER
+    _MAKER = BatchMaker(tokenizer_from_metadata(meta), cfg, meta["tokenizer.chat_template"])
+
+
+def _make_batch(args):
+    return _MAKER(*args)
+
+
+def build_model(params, cfg: dict, dtype):
+    from luxjax.checkpoint.weights import WeightSource
+    from luxjax.models.qwen35.config import ModelConfig
+    from luxjax.models.qwen35.model import Qwen35Model
+
+    return Qwen35Model(ModelConfig.from_hf(cfg), WeightSource(params, dtype, origin="demo"), dtype)
+
+
+def make_loss(cfg: dict):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from luxjax.demo.batches import processor
+
+    lut = jnp.asarray(processor()._lookup)  # [3, 256] the processor's exact normalised values
+    f32 = jnp.float32
+
+    def loss_fn(params, b):
+        model = build_model(params, cfg, f32)
+        S, P = b["patches"].shape[:2]
+        pixels = lut[jnp.arange(3)[None, None, :, None], b["patches"].astype(jnp.int32)]  # [S, P, 3, 256]
+        pixels = jnp.broadcast_to(pixels[:, :, :, None], (S, P, 3, 2, 256)).reshape(S, P, -1)
+        rows = jax.vmap(model.vision)(pixels, b["taps"], b["tap_weights"], b["rope_ids"], b["segments"])
+        rows = rows.reshape(-1, rows.shape[-1])
+        ids, index = b["ids"], b["image_index"]
+        x = model.text.embed(ids, f32)
+        x = jnp.where((index >= 0)[..., None], rows[jnp.clip(index, 0)], x)
+        B, T = ids.shape
+        h, _ = model.text(x, b["positions"], jnp.zeros(B, jnp.int32), b["valid"],
+                          model.text.init_cache(B, T, f32), chunked=True)
+        logits = model.text.logits(h)
+        labels = b["labels"]
+        mask = labels >= 0
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.clip(labels, 0))
+        loss = jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1)
+        acc = jnp.sum((jnp.argmax(logits, -1) == labels) * mask) / jnp.maximum(jnp.sum(mask), 1)
+        return loss, acc
+
+    return loss_fn
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    p.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds of training (0 = none)")
+    p.add_argument("--out", default="out/demo")
+    args = p.parse_args(argv)
+    started = time.time()
+    meta = train_tokenizer()
+    tok = tokenizer_from_metadata(meta)
+    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    params = init_params(cfg, args.seed)
+    pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (meta, cfg))
+    jobs = ((1_000_003 * (args.seed + 1) + step, args.batch) for step in range(args.steps))
+    batches = pool.imap(_make_batch, jobs, chunksize=1)
+
+    import jax
+    import optax
+    from tqdm import tqdm
+
+    warmup = min(300, args.steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.03)
+    decay_mask = jax.tree.map(lambda a: a.ndim >= 2, params)
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(schedule, b2=0.98, weight_decay=0.01, mask=decay_mask))
+    params = jax.device_put(params)
+    opt_state = opt.init(params)
+    grad_fn = jax.value_and_grad(make_loss(cfg), has_aux=True)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        (loss, acc), grads = grad_fn(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, acc
+
+    print(f"devices {jax.devices()}; vocab {cfg['text_config']['vocab_size']}; "
+          f"{sum(a.size for a in params.values()) / 1e6:.2f}M parameters", flush=True)
+    t0, ema, done = time.time(), None, 0
+    bar = tqdm(total=args.steps, desc="train", mininterval=5)
+    for i, b in enumerate(batches):
+        params, opt_state, loss, acc = step(params, opt_state, vars(b))
+        done = i + 1
+        if i % 25 == 0 or done == args.steps:
+            loss, acc = float(loss), float(acc)
+            ema = loss if ema is None else 0.8 * ema + 0.2 * loss
+            bar.set_postfix(loss=f"{loss:.4f}", ema=f"{ema:.4f}", acc=f"{acc:.3f}")
+        bar.update(1)
+        if args.time_limit and time.time() - t0 > args.time_limit:
+            break
+    bar.close()
+    pool.terminate()
+    final_loss = float(loss)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.asarray(v, np.float32) for k, v in params.items()}
+    np.savez(out / "params_text.npz", **{k: v for k, v in arrays.items() if not k.startswith("model.visual.")})
+    np.savez(out / "params_vision.npz", **{k: v for k, v in arrays.items() if k.startswith("model.visual.")})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "tokenizer.json").write_text(json.dumps(meta))
+    summary = {"steps": done, "batch": args.batch, "train_seconds": round(time.time() - t0, 1),
+               "total_seconds": round(time.time() - started, 1), "final_loss": final_loss,
+               "final_loss_ema": ema, "device": str(jax.devices()[0])}
+    (out / "summary.json").write_text(json.dumps(summary))
+    print("SUMMARY", json.dumps(summary), flush=True)
+
+
+def load_trained(folder) -> tuple[dict, dict, dict]:
+    """(HF-named float32 params, config dict, GGUF tokenizer metadata) written by main()."""
+    folder = Path(folder)
+    params = {}
+    for name in ("params_text.npz", "params_vision.npz"):
+        with np.load(folder / name) as z:
+            params.update({k: z[k] for k in z.files})
+    return params, json.loads((folder / "config.json").read_text()), json.loads((folder / "tokenizer.json").read_text())
+
+
+if __name__ == "__main__":
+    main()

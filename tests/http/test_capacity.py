@@ -1,0 +1,98 @@
+"""Slots and the queue: a client that goes away frees its slot within a step; a full queue answers 503."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from http_helpers import metric, serve
+
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200, "stream": True,
+        "temperature": 0}
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, http):
+    assert wait_for(lambda: metric(http, "luxjax_active_slots") == 0)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/v1/chat/completions", json=LONG) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in received)
+            assert metric(http, "luxjax_active_slots") == 1
+    assert wait_for(lambda: metric(http, "luxjax_active_slots") == 0, timeout=5.0)
+    assert 'status="499"' in http.get("/metrics").text
+
+
+def test_full_queue_answers_503_with_retry_after(model):
+    engine, thread = serve(model, max_concurrency=1, max_queue=1, max_ctx=256)
+
+    async def scenario(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            async def hold(stream_ready: asyncio.Event):
+                async with c.stream("POST", "/v1/chat/completions", json=LONG) as response:
+                    stream_ready.set()
+                    async for _ in response.aiter_lines():
+                        pass
+
+            running = asyncio.Event()
+            first = asyncio.create_task(hold(running))
+            await asyncio.wait_for(running.wait(), 120)
+            queued = asyncio.create_task(c.post("/v1/chat/completions", json={**LONG, "stream": False}))
+            deadline = time.monotonic() + 30
+            while engine.queue_depth < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            refused = await c.post("/v1/chat/completions", json={**LONG, "stream": False})
+            first.cancel()
+            queued.cancel()
+            await asyncio.gather(first, queued, return_exceptions=True)
+            return refused
+
+    try:
+        with thread:
+            refused = asyncio.run(scenario(thread.url))
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "server_error"
+            with httpx.Client(base_url=thread.url) as c:
+                assert wait_for(lambda: metric(c, "luxjax_active_slots") == 0 and metric(c, "luxjax_queue_depth") == 0)
+                assert c.get("/health").json() == {"status": "ok"}
+    finally:
+        engine.stop()
+
+
+def test_failed_image_encode_fails_only_that_request(model, server, http, monkeypatch):
+    """An encoder failure reaches its own client as an error; a concurrent text request is unaffected."""
+    from http_helpers import IMAGES, data_url, image_part
+
+    backend = model.backend
+    original = backend.encode_images
+
+    def broken(image_inputs):
+        raise RuntimeError("encoder exploded")
+
+    monkeypatch.setattr(backend, "encode_images", broken)
+    image_request = {"messages": [{"role": "user", "content": [image_part(data_url(IMAGES / "photo-desk.jpeg"))]}],
+                     "max_tokens": 4, "temperature": 0}
+    text_request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.gather(c.post("/v1/chat/completions", json=image_request),
+                                        c.post("/v1/chat/completions", json=text_request))
+
+    failed, fine = asyncio.run(both())
+    monkeypatch.setattr(backend, "encode_images", original)
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] >= 1
+    assert http.get("/health").json() == {"status": "ok"}

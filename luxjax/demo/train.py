@@ -80,7 +80,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="0: in-process")
     p.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds of training (0 = none)")
     p.add_argument("--out", default="out/demo")
     args = p.parse_args(argv)
@@ -89,9 +89,13 @@ def main(argv=None):
     tok = tokenizer_from_metadata(meta)
     cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
     params = init_params(cfg, args.seed)
-    pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (meta, cfg))
     jobs = ((1_000_003 * (args.seed + 1) + step, args.batch) for step in range(args.steps))
-    batches = pool.imap(_make_batch, jobs, chunksize=1)
+    if args.workers > 0:
+        pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (meta, cfg))
+        batches = pool.imap(_make_batch, jobs, chunksize=1)
+    else:
+        pool, _ = None, _init_worker(meta, cfg)
+        batches = map(_make_batch, jobs)
 
     import jax
     import optax
@@ -127,7 +131,8 @@ def main(argv=None):
         if args.time_limit and time.time() - t0 > args.time_limit:
             break
     bar.close()
-    pool.terminate()
+    if pool is not None:
+        pool.terminate()
     final_loss = float(loss)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

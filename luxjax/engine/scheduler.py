@@ -61,18 +61,6 @@ def busy_error(message: str) -> RequestError:
     return RequestError(message, status=503, type="server_error", code="server_busy")
 
 
-@partial(jax.jit, static_argnames=("axes",))
-def copy_slot(caches, slot, axes):
-    return [jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=a) for x, a in zip(jax.tree.leaves(caches), axes)]
-
-
-@partial(jax.jit, static_argnames=("axes",), donate_argnames=("caches",))
-def restore_slot(caches, rows, slot, axes):
-    leaves, treedef = jax.tree.flatten(caches)
-    return treedef.unflatten([jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=a)
-                              for x, r, a in zip(leaves, rows, axes)])
-
-
 @partial(jax.jit, donate_argnames=("counts",))
 def count_tokens(counts, tokens, active):
     return counts.at[jnp.arange(counts.shape[0]), tokens].add(active.astype(counts.dtype))
@@ -99,9 +87,6 @@ class Engine:
         self._stopping = False
         self._slots: list[SlotState | None] = [None] * max_concurrency
         self._caches = backend.init_cache(max_concurrency, self.max_ctx)
-        bigger = jax.eval_shape(lambda: backend.init_cache(max_concurrency + 1, self.max_ctx))
-        self._slot_axes = tuple(_differing_axis(a.shape, b.shape)
-                                for a, b in zip(jax.tree.leaves(self._caches), jax.tree.leaves(bigger)))
         self._counts = jnp.zeros((max_concurrency, backend.vocab_size), jnp.int32)
         self._thread = threading.Thread(target=self._run, name="luxjax-scheduler", daemon=True)
 
@@ -267,19 +252,15 @@ class Engine:
         for i, seq in enumerate(self._slots):
             if seq is None:
                 continue
-            cached[i] = seq.cached  # a slot still prefilling writes its dummy at a row its next chunk overwrites
+            cached[i] = seq.cached
             if i in decoding:
                 tokens[i], deltas[i] = seq.last_token, seq.request.prompt.rope_delta
                 rows[i] = (seq.request.params, seq.request.seed, len(seq.generated))
-        # decode advances every row's recurrent state: keep the rows of sequences between prefill chunks intact
-        saved = [(i, copy_slot(self._caches, i, self._slot_axes)) for i, s in enumerate(self._slots)
-                 if s is not None and s.prefilling and s.cached > 0]
+        active = np.zeros(B, bool)
+        active[decoding] = True
         try:
-            logits, self._caches = self.backend.decode(self._caches, tokens, cached, deltas)
-            for i, kept in saved:
-                self._caches = restore_slot(self._caches, kept, i, self._slot_axes)
-            active = np.zeros(B, bool)
-            active[decoding] = True
+            # only decoding rows advance: idle slots and sequences between prefill chunks keep their caches
+            logits, self._caches = self.backend.decode(self._caches, tokens, cached, deltas, active)
             out = sample_tokens(logits, self._counts, RowParams.build(rows),
                                 top_logprobs=top_logprobs_width([r[0] if r else None for r in rows]))
             self._counts = count_tokens(self._counts, out[0], jnp.asarray(active))
@@ -360,14 +341,6 @@ class Engine:
             pending, self._queue = list(self._queue), collections.deque()
         for request in pending:
             request.send(Failed(error))
-
-
-def _differing_axis(small: tuple[int, ...], big: tuple[int, ...]) -> int:
-    """The slot axis of one cache array: the one axis whose size grows with the number of slots."""
-    axes = [k for k, (a, b) in enumerate(zip(small, big)) if a != b]
-    if len(axes) != 1:
-        raise ValueError(f"cannot find the slot axis of a cache array: shapes {small} and {big}")
-    return axes[0]
 
 
 def _host_row(tokens, logprobs, top_ids, top_values, row: int) -> tuple[int, TokenLogprob]:

@@ -6,7 +6,6 @@ ignored, except a few OpenAI fields that do not change the output (user, metadat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from luxjax.engine.requests import MAX_TOP_LOGPROBS, SamplingParams
 from luxjax.errors import RequestError

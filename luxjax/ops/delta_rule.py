@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from luxjax.ops import backend
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -35,8 +37,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 2), state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """Chunked (UT-transform) form. Returns (out [B, H, T, dv], final state)."""
+def chunk_inputs(q, k, v, g, beta, chunk: int = 64):
+    """The parallel part of the chunked (UT-transform) form: everything except the scan over chunks.
+    Returns (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay), each [B, H, n, ...]."""
     T = q.shape[2]
     pad = (-T) % chunk
     if pad:
@@ -69,6 +72,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])  # [B,H,n]
+    return new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked (UT-transform) form. Returns (out [B, H, T, dv], final state)."""
+    B, H, T, _ = q.shape
+    dv = v.shape[-1]
 
     def step(s, xs):
         nv, kc, qd, kd, at, cd = xs
@@ -77,14 +87,25 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
         s = s * cd[..., None, None] + _mm(jnp.swapaxes(kd, -1, -2), v_new)
         return s, out
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in chunk_inputs(q, k, v, g, beta, chunk))
     state, out = jax.lax.scan(step, state, xs)
-    out = jnp.moveaxis(out, 0, 2).reshape(B, H, Tp, dv)[:, :, :T]
+    out = jnp.moveaxis(out, 0, 2).reshape(B, H, -1, dv)[:, :, :T]
     return out, state
 
 
 def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool):
-    """The one entry point models call; chooses the form (and later the Pallas kernel)."""
+    """The one entry point models call: chunked (prefill) or recurrent (decode) form; Pallas kernel or XLA
+    as luxjax.ops.backend decides."""
+    if backend.use_pallas() and _kernel_supported(q, v):
+        from pallas_kernels import gated_delta
+
+        form = gated_delta.gated_delta_chunked if chunked else gated_delta.gated_delta_recurrent
+        return form(q, k, v, g, beta, state, interpret=backend.interpret())
     if chunked:
         return chunk_gated_delta_rule(q, k, v, g, beta, state)
     return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+
+def _kernel_supported(q, v) -> bool:
+    dk, dv = q.shape[-1], v.shape[-1]
+    return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))

@@ -1,15 +1,20 @@
 """y = x @ W.T for dense or packed quantized weights, and embedding lookups.
 
-`_impl` is the single dispatch point: the XLA path below dequantizes inside the jitted graph; fused
-Pallas dequant-matmul kernels replace it there.
+`_impl` is the single dispatch point: packed weights in a format with a fused kernel go to the Pallas
+dequantize-matmul when luxjax.ops.backend chooses Pallas (GPU by default, LUXJAX_KERNELS overrides); everything
+else takes the XLA path, which dequantizes inside the jitted graph and is the kernels' oracle.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from luxjax.checkpoint.quants import Weight, dequantize, dequantize_rows
+from luxjax.checkpoint.quants import QuantizedTensor, Weight, dequantize, dequantize_rows
+from luxjax.ops import backend
+from pallas_kernels.quant_decode import KERNEL_FORMATS
 
 
 def _xla_linear(x: jax.Array, w: Weight) -> jax.Array:
@@ -22,7 +27,21 @@ def _xla_linear(x: jax.Array, w: Weight) -> jax.Array:
     return y.astype(x.dtype)
 
 
-_impl = _xla_linear
+def _pallas_linear(x: jax.Array, w: QuantizedTensor) -> jax.Array:
+    from pallas_kernels.quant_matmul import quant_matmul  # Pallas imports only once Pallas is chosen
+
+    y = quant_matmul(x.reshape(-1, x.shape[-1]), w, interpret=backend.interpret())
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _kernel_applies(x: jax.Array, w: Weight) -> bool:
+    return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS and w.ndim == 2
+            and math.prod(x.shape[:-1]) > 0 and x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+            and backend.use_pallas())
+
+
+def _impl(x: jax.Array, w: Weight) -> jax.Array:
+    return _pallas_linear(x, w) if _kernel_applies(x, w) else _xla_linear(x, w)
 
 
 def linear(x: jax.Array, w: Weight) -> jax.Array:

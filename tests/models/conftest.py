@@ -21,9 +21,9 @@ def session_seed() -> int:
 
 @pytest.fixture(scope="session")
 def fixture_model_f32():
-    from luxjax.api import load
+    import luxjax
 
-    return load(FIXTURE_HF, dtype="float32", progress=False)
+    return luxjax.load(FIXTURE_HF, dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +44,13 @@ def checkpoint(tmp_path_factory, session_seed):
 @pytest.fixture(scope="session")
 def luxjax_f32():
     """luxjax_f32(directory) -> Model, loaded once per session in float32."""
-    from luxjax.api import load
+    import luxjax
 
     loaded: dict = {}
 
     def get(directory):
         if directory not in loaded:
-            loaded[directory] = load(directory, dtype="float32", progress=False)
+            loaded[directory] = luxjax.load(directory, dtype="float32", progress=False)
         return loaded[directory]
 
     return get

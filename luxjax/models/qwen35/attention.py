@@ -30,8 +30,9 @@ class GatedAttention(nnx.Module):
         self.q_norm = ZeroCenteredRMSNorm(w("q_norm.weight"), cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(w("k_norm.weight"), cfg.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, cache: KVCache, start) -> tuple[jax.Array, KVCache]:
-        """x [B, T, hidden]; cos/sin [B, T, rotary_dim]; start [B] = tokens already cached per sequence."""
+    def __call__(self, x, cos, sin, cache: KVCache, start, valid) -> tuple[jax.Array, KVCache]:
+        """x [B, T, hidden]; cos/sin [B, T, rotary_dim]; start [B] = tokens already cached per sequence;
+        valid [B, T]: tokens whose keys/values are written (padding and idle slots leave the cache alone)."""
         B, T, _ = x.shape
         q_gate = self.q_proj(x).reshape(B, T, self.heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
@@ -40,7 +41,7 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        cache = KVCache(write_kv(cache.k, k, start), write_kv(cache.v, v, start))
+        cache = KVCache(write_kv(cache.k, k, start, valid), write_kv(cache.v, v, start, valid))
         out = cached_attention(q, cache.k, cache.v, start, scale=self.head_dim**-0.5)
         out = out.reshape(B, T, self.heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out), cache

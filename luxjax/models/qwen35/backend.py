@@ -121,8 +121,10 @@ class Qwen35Backend:
                             jnp.asarray(positions), jnp.int32(begin), jnp.int32(n), dtype=self.dtype,
                             all_logits=all_logits)
 
-    def decode(self, caches, token_ids, cached, rope_deltas):
+    def decode(self, caches, token_ids, cached, rope_deltas, active=None):
         pos = np.asarray(cached, np.int32) + np.asarray(rope_deltas, np.int32)
         positions = np.broadcast_to(pos, (3, len(pos))).astype(np.int32)
+        active = np.ones(len(pos), bool) if active is None else np.asarray(active, bool)
         return qwen.decode(self.graphdef, self.state, caches, jnp.asarray(token_ids, jnp.int32),
-                           jnp.asarray(positions), jnp.asarray(cached, jnp.int32), dtype=self.dtype)
+                           jnp.asarray(positions), jnp.asarray(cached, jnp.int32), jnp.asarray(active),
+                           dtype=self.dtype)

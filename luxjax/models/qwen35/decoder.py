@@ -44,7 +44,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cache, *, cos, sin, start, valid, chunked):
         h = self.input_layernorm(x)
         if self.is_attention:
-            h, cache = self.mixer(h, cos, sin, cache, start)
+            h, cache = self.mixer(h, cos, sin, cache, start, valid)
         else:
             h, cache = self.mixer(h, cache, valid, chunked=chunked)
         x = x + h

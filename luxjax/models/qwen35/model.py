@@ -61,10 +61,10 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
 
 
 @partial(jax.jit, static_argnames=("graphdef", "dtype"), donate_argnames=("caches",))
-def decode(graphdef, state, caches, ids, positions, start, *, dtype):
-    """One token for every slot: ids [B], positions int32 [3, B], start [B] (cached tokens). Returns logits [B, V]."""
+def decode(graphdef, state, caches, ids, positions, start, active, *, dtype):
+    """One token for every slot: ids [B], positions int32 [3, B], start [B] (cached tokens), active [B] bool
+    (idle slots and slots between prefill chunks keep their caches untouched). Returns logits [B, V]."""
     model = nnx.merge(graphdef, state)
     x = model.text.embed(ids[:, None], dtype)
-    valid = jnp.ones((ids.shape[0], 1), dtype=bool)
-    h, caches = model.text(x, positions[:, :, None], start, valid, caches, chunked=False)
+    h, caches = model.text(x, positions[:, :, None], start, active[:, None], caches, chunked=False)
     return model.text.logits(h[:, 0]), caches

@@ -1,0 +1,44 @@
+"""The one switch between Pallas kernels and the XLA path for every op in luxjax.ops.
+
+LUXJAX_KERNELS=xla|pallas|auto (default auto) is read once, at the first call. auto: Pallas on a GPU backend
+(CUDA or ROCm) when Pallas' Triton backend imports; xla: never; pallas: always where a kernel supports the shape
+(on CPU the kernels then run in interpret mode, which is slow and meant for tests).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+
+_CHOICES = ("auto", "xla", "pallas")
+
+
+@functools.cache
+def _choice() -> str:
+    choice = os.environ.get("LUXJAX_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"LUXJAX_KERNELS={choice!r}; expected one of {_CHOICES}")
+    return choice
+
+
+@functools.cache
+def _pallas_importable() -> bool:
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_pallas() -> bool:
+    """True when ops should call their Pallas kernel (each op still checks that its shapes are supported)."""
+    choice = _choice()
+    if choice == "xla" or not _pallas_importable():
+        return False
+    return choice == "pallas" or jax.default_backend() == "gpu"
+
+
+def interpret() -> bool:
+    """Pallas kernels run compiled on a GPU and interpreted elsewhere."""
+    return jax.default_backend() != "gpu"

@@ -1,0 +1,151 @@
+"""Gated DeltaNet kernels: the recurrent (decode) update and the scan of the chunked (prefill) form.
+
+The recurrence acts on each column of the state S [dk, dv] independently (S^T k, the rank-one update and
+S^T q all keep columns apart), so programs split dv into blocks: grid (B, H, dv / block_v), the state block
+stays in registers for the whole sequence and is read and written once.
+
+Chunked form: the parallel, per-chunk part (the UT transform, a unitriangular solve over 64 rows, and the decay
+products) runs in XLA (luxjax.ops.delta_rule.chunk_inputs): it is batched over all chunks and already matmul
+bound. The kernel does the sequential part, the scan over chunks, which XLA runs as one small loop iteration per
+chunk. Dots are float32 at full precision (the XLA path's Precision.HIGHEST), not TF32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @classmethod
+    def get_default(cls, dv: int) -> "BlockSizes":
+        return cls(block_v=min(32, dv))
+
+
+def _dot(a, b, dims):
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _recurrent_kernel(
+    q_ref,  # [B, H, T, dk]
+    k_ref,  # [B, H, T, dk]
+    v_ref,  # [B, H, T, dv]
+    g_ref,  # [B, H, T]
+    beta_ref,  # [B, H, T]
+    s0_ref,  # [B, H, dk, dv]
+    o_ref,  # [B, H, T, dv]
+    s_ref,  # [B, H, dk, dv]
+    *,
+    block_v: int,
+):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+
+    def step(t, s):  # s [dk, block_v]
+        q, k = q_ref[b, h, t, :], k_ref[b, h, t, :]  # [dk]
+        s = s * jnp.exp(g_ref[b, h, t])
+        delta = beta_ref[b, h, t] * (v_ref[b, h, t, cols] - jnp.sum(s * k[:, None], axis=0))  # [block_v]
+        s = s + k[:, None] * delta[None, :]
+        o_ref[b, h, t, cols] = jnp.sum(s * q[:, None], axis=0)
+        return s
+
+    s_ref[b, h, :, cols] = jax.lax.fori_loop(0, q_ref.shape[2], step, s0_ref[b, h, :, cols])
+
+
+def _chunk_scan_kernel(
+    nv_ref,  # [B, H, n, C, dv]  new values (UT-transformed v)
+    kc_ref,  # [B, H, n, C, dk]  k_cumdecay
+    qd_ref,  # [B, H, n, C, dk]  q * exp(cum g)
+    kd_ref,  # [B, H, n, C, dk]  k * exp(g to chunk end)
+    intra_ref,  # [B, H, n, C, C] decayed causal q k^T
+    cd_ref,  # [B, H, n]          chunk decay
+    s0_ref,  # [B, H, dk, dv]
+    o_ref,  # [B, H, n, C, dv]
+    s_ref,  # [B, H, dk, dv]
+    *,
+    block_v: int,
+):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+
+    def step(c, s):  # s [dk, block_v]
+        v_new = nv_ref[b, h, c, :, cols] - _dot(kc_ref[b, h, c], s, ((1,), (0,)))  # [C, block_v]
+        o_ref[b, h, c, :, cols] = _dot(qd_ref[b, h, c], s, ((1,), (0,))) + _dot(intra_ref[b, h, c], v_new,
+                                                                                 ((1,), (0,)))
+        return s * cd_ref[b, h, c] + _dot(kd_ref[b, h, c], v_new, ((0,), (0,)))
+
+    s_ref[b, h, :, cols] = jax.lax.fori_loop(0, nv_ref.shape[2], step, s0_ref[b, h, :, cols])
+
+
+def _check(q, v, state, block_v):
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    if state.shape != (B, H, dk, dv):
+        raise ValueError(f"state shape {state.shape} must be {(B, H, dk, dv)}")
+    if dv % block_v or block_v < 16 or dk < 16 or dk & (dk - 1) or block_v & (block_v - 1):
+        raise ValueError(f"need power-of-two dk={dk} >= 16 and block_v={block_v} >= 16 dividing dv={dv}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+def gated_delta_recurrent(q, k, v, g, beta, state, *, block_sizes: BlockSizes | None = None,
+                          interpret: bool = False, debug: bool = False):
+    """Token-by-token form (decode: T = 1). q, k [B, H, T, dk]; v [B, H, T, dv]; g, beta [B, H, T];
+    state [B, H, dk, dv] float32. Returns (out [B, H, T, dv] float32, final state)."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    bs = block_sizes or BlockSizes.get_default(dv)
+    _check(q, v, state, bs.block_v)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_recurrent_kernel, block_v=bs.block_v),
+        grid=(B, H, dv // bs.block_v),
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="gated_delta_recurrent",
+    )(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block_sizes", "interpret", "debug"))
+def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, block_sizes: BlockSizes | None = None,
+                        interpret: bool = False, debug: bool = False):
+    """Chunked form (prefill), same arguments and result as gated_delta_recurrent; T padded to a multiple of
+    `chunk` internally (padding carries beta = g = 0)."""
+    from luxjax.ops.delta_rule import chunk_inputs
+
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    bs = block_sizes or BlockSizes.get_default(dv)
+    _check(q, v, state, bs.block_v)
+    xs = chunk_inputs(q, k, v, g, beta, chunk)
+    n = xs[0].shape[2]
+    out, final = pl.pallas_call(
+        functools.partial(_chunk_scan_kernel, block_v=bs.block_v),
+        grid=(B, H, dv // bs.block_v),
+        out_shape=[jax.ShapeDtypeStruct((B, H, n, chunk, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="gated_delta_chunk_scan",
+    )(*xs, state.astype(jnp.float32))
+    return out.reshape(B, H, n * chunk, dv)[:, :, :T], final
+
+
+def gated_delta_reference(q, k, v, g, beta, state):
+    """Token-by-token XLA form, the oracle for both kernels."""
+    from luxjax.ops.delta_rule import recurrent_gated_delta_rule
+
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state)

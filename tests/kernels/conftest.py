@@ -1,0 +1,26 @@
+"""Kernel tests run the Pallas kernels interpreted on CPU and compiled (Triton) on a GPU backend, against the
+XLA ops. Each test draws a fresh seed, printed in its failure message; LUXJAX_TEST_SEED=<n> replays one."""
+from __future__ import annotations
+
+import os
+import secrets
+
+import jax
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def seed() -> int:
+    return int(os.environ["LUXJAX_TEST_SEED"]) if os.environ.get("LUXJAX_TEST_SEED") else secrets.randbelow(2**31)
+
+
+@pytest.fixture
+def interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "non-finite output"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

@@ -1,0 +1,88 @@
+"""Fused dequantize-matmul kernels against gguf's numpy dequantizers (float64 matmul) and the XLA path.
+
+Random block bytes (f16 scales kept to a modest finite range) packed through QuantizedTensor.from_gguf. On CPU
+the kernels run interpreted; on a GPU (luxjax.ops.backend.interpret() is False) the same tests run compiled.
+"""
+from __future__ import annotations
+
+import gguf.quants
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from luxjax.checkpoint.quants import QuantizedTensor
+from luxjax.ops import backend, linear as linear_mod
+from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_reference
+
+TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+F16_OFFSETS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
+# (rows of x, out, in, x dtype): GEMV reduce (1), skinny dot (3, 16), tiled GEMM (20); odd out pads the tile.
+CASES = [(1, 67, 512, jnp.float32), (3, 64, 768, jnp.bfloat16), (16, 97, 256, jnp.float32),
+         (20, 160, 512, jnp.bfloat16)]
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # of sum |x||w|: float32 accumulation / bf16 rounding of W and y
+
+
+@pytest.fixture
+def seed() -> int:
+    return int(np.random.SeedSequence().entropy % 2**32)
+
+
+def random_weight(rng, ggml_type, out: int, k: int) -> tuple[QuantizedTensor, np.ndarray]:
+    """Random blocks whose f16 scales are finite, of either sign, magnitude about 2^-8..2^4; and W in float64."""
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (out, k // block, type_size), dtype=np.uint8)
+    for off in F16_OFFSETS[ggml_type]:
+        raw[..., off + 1] = (rng.integers(0x1C, 0x4C, raw.shape[:2]) | (rng.integers(0, 2, raw.shape[:2]) << 7))
+    raw = raw.reshape(out, -1)
+    dense = gguf.quants.dequantize(raw, ggml_type).reshape(out, k).astype(np.float64)
+    return QuantizedTensor.from_gguf(raw, ggml_type, (out, k)), dense
+
+
+def check(got, x, dense, dtype, msg):
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    want, scale = x64 @ dense.T, np.abs(x64) @ np.abs(dense).T
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert got.shape == want.shape, f"{msg}: shape {got.shape} != {want.shape}"
+    err = np.abs(got - want) / scale
+    assert np.all(np.isfinite(got)), f"{msg}: non-finite output"
+    assert err.max() <= TOL[dtype], f"{msg}: max error {err.max():.3g} of sum|x||w| > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,out,k,dtype", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_kernel_matches_dequantized_matmul(ggml_type, m, out, k, dtype, seed):
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, ggml_type, out, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    got = quant_matmul(x, w, interpret=backend.interpret())
+    msg = f"{ggml_type.name} x[{m},{k}] {jnp.dtype(dtype).name} W[{out},{k}] seed {seed}"
+    assert got.dtype == x.dtype, f"{msg}: dtype {got.dtype}"
+    check(got, x, dense, dtype, msg)
+    check(linear_mod._xla_linear(x, w), x, dense, dtype, f"{msg} (XLA path)")
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_explicit_block_sizes_pad_rows_and_m(ggml_type, seed):
+    """Tiles that divide neither out nor M, and a K step of one block."""
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, ggml_type, 45, 768)
+    x = jnp.asarray(rng.standard_normal((19, 768)), jnp.float32)
+    got = quant_matmul(x, w, block_sizes=BlockSizes(16, 32, 1, 4, 2), interpret=backend.interpret())
+    check(got, x, dense, jnp.float32, f"{ggml_type.name} BlockSizes(16, 32, 1) seed {seed}")
+    check(quant_matmul_reference(x, w), x, dense, jnp.float32, f"{ggml_type.name} reference seed {seed}")
+
+
+def test_linear_dispatches_to_kernel(monkeypatch, seed):
+    """linear() takes the kernel for supported packed weights when Pallas is chosen, leading axes kept."""
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, T.Q6_K, 33, 512)
+    x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.float32)
+    calls = []
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    real = linear_mod._pallas_linear
+    monkeypatch.setattr(linear_mod, "_pallas_linear", lambda *a: calls.append(1) or real(*a))
+    got = linear_mod.linear(x, w)
+    assert calls, "linear() did not take the Pallas kernel"
+    assert got.shape == (2, 3, 33)
+    check(got.reshape(6, 33), x.reshape(6, 512), dense, jnp.float32, f"linear Q6_K seed {seed}")

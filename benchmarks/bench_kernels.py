@@ -1,7 +1,8 @@
-"""Pallas kernels vs the XLA ops at Qwen3.5-27B shapes (GPU). Prints a markdown table; --out writes JSON.
+"""Pallas kernels vs the XLA ops at Qwen3.5-27B shapes (GPU). Prints a markdown table; --out writes JSON;
+--sweep adds rows timing other BlockSizes (the data behind each kernel's get_default).
 
-Each case runs the op `n` times inside one jitted fori_loop, each iteration's input depending on the last
-output, so launch overhead and Python dispatch stay out of the per-call time. Inputs that fit in L2 (60 MB on
+Each case runs the op `n` times inside one jitted, unrolled loop, each call's input depending on the last
+output, so Python dispatch stays out of the per-call time. Inputs that fit in L2 (60 MB on
 an H200) stay there between iterations: the smallest decode cases measure L2, not HBM.
 """
 from __future__ import annotations
@@ -14,6 +15,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import gated_delta
+from pallas_kernels import prefill_attention as prefill
+from pallas_kernels import vision_attention as vision
 
 from luxjax.ops.attention import xla_block_diagonal_attention, xla_cached_attention
 from luxjax.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -36,7 +41,7 @@ def time_op(fn, *args, n: int = 20, reps: int = 3) -> float:
             out = fn(args[0] + c.astype(args[0].dtype), *args[1:])
             return (jax.tree.leaves(out)[0].ravel()[0] * 0).astype(jnp.float32)
 
-        return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+        return jax.lax.fori_loop(0, n, body, jnp.float32(0), unroll=True)
 
     loop(*args).block_until_ready()
     times = []
@@ -124,14 +129,50 @@ def deltanet_cases(rng):
                metric="", of_peak=None)
 
 
+def sweep_cases(rng):
+    """Per kernel, one shape timed under alternative BlockSizes."""
+    q = normal(rng, (1, 1024, HQ, D))
+    k, v = normal(rng, (1, 4096, HKV, D)), normal(rng, (1, 4096, HKV, D))
+    start = jnp.full((1,), 3072, jnp.int32)
+    for bs in [prefill.BlockSizes(64, 32, 8, 2), prefill.BlockSizes(64, 64, 8, 2), prefill.BlockSizes(128, 32, 8, 2),
+               prefill.BlockSizes(128, 64, 8, 2), prefill.BlockSizes(64, 64, 4, 3)]:
+        t = time_op(lambda q, k, v, s: prefill_attention(q, k, v, s, scale=D**-0.5, block_sizes=bs), q, k, v, start,
+                    n=5)
+        yield dict(kernel="sweep prefill", shape=f"prefix=3072 {bs}", pallas_us=t * 1e6, xla_us=float("nan"),
+                   metric="", of_peak=None)
+    seg = jnp.zeros((3900,), jnp.int32)
+    qv, kv, vv = (normal(rng, (3900, 16, 72)) for _ in range(3))
+    for bs in [vision.BlockSizes(128, 64, 8, 3), vision.BlockSizes(64, 64, 4, 3), vision.BlockSizes(128, 128, 8, 2),
+               vision.BlockSizes(128, 32, 4, 3)]:
+        t = time_op(lambda q, k, v, s: vision_attention(q, k, v, s, scale=0.1, block_sizes=bs), qv, kv, vv, seg, n=5)
+        yield dict(kernel="sweep vision", shape=f"3900 {bs}", pallas_us=t * 1e6, xla_us=float("nan"), metric="",
+                   of_peak=None)
+    for B in (1, 16):
+        args = deltanet_inputs(rng, B, 1)
+        for bv, warps in [(16, 4), (32, 4), (64, 4), (64, 8), (128, 8)]:
+            bs = gated_delta.BlockSizes(block_v=bv, num_warps=warps)
+            t = time_op(lambda *a: gated_delta_recurrent(*a, block_sizes=bs), *args)
+            yield dict(kernel="sweep DeltaNet recurrent", shape=f"B={B} {bs}", pallas_us=t * 1e6,
+                       xla_us=float("nan"), metric="", of_peak=None)
+    args = deltanet_inputs(rng, 1, 1012)
+    for bv, warps, prec in [(32, 4, "ieee"), (32, 8, "tf32x3"), (16, 4, "tf32x3"), (64, 8, "tf32x3"),
+                            (32, 4, "tf32x3")]:
+        bs = gated_delta.BlockSizes(block_v=bv, num_warps=warps, dot_precision=prec)
+        t = time_op(lambda *a: gated_delta_chunked(*a, block_sizes=bs), *args, n=3)
+        yield dict(kernel="sweep DeltaNet chunked", shape=f"T=1012 {bs}", pallas_us=t * 1e6, xla_us=float("nan"),
+                   metric="", of_peak=None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative BlockSizes")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     print("| kernel | shape | Pallas us | XLA us | speed-up | achieved | of peak |\n|---|---|---|---|---|---|---|")
-    for cases in (decode_cases, prefill_cases, vision_cases, deltanet_cases):
+    groups = (decode_cases, prefill_cases, vision_cases, deltanet_cases) + ((sweep_cases,) if args.sweep else ())
+    for cases in groups:
         try:
             for row in cases(rng):
                 rows.append(row)

@@ -26,8 +26,8 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, head_dim: int) -> "BlockSizes":
-        if head_dim > 128:
-            return cls(block_m=64, block_k=32, num_warps=8, num_stages=2)
+        if head_dim > 128:  # H200 sweep, 27B shapes, T=1024 after 3072 cached: 483 us vs 857 us for (64, 32)
+            return cls(block_m=128, block_k=64, num_warps=8, num_stages=2)
         return cls(block_m=64, block_k=64, num_warps=4, num_stages=3)
 
 

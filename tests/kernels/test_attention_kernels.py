@@ -73,9 +73,20 @@ def test_vision_attention(seed, interpret, dtype, d, sizes, pad):
     assert not np.asarray(out[N - pad:], np.float32).any(), "padding rows must be zero"
 
 
-def test_dispatch_cpu_uses_xla():
-    """On CPU (default LUXJAX_KERNELS=auto) the ops layer takes the XLA path."""
-    from luxjax.ops import backend
+def test_ops_dispatch_to_kernels(seed, monkeypatch):
+    """The ops layer's Pallas branch (forced on; interpreted on CPU) computes what its XLA path computes."""
+    from luxjax.ops import attention, backend
 
-    if jax.default_backend() == "cpu":
-        assert backend.use_pallas() is (backend._choice() == "pallas")
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    rng = np.random.default_rng(seed)
+    k, v = _normal(rng, (1, 40, 2, 64), jnp.float32), _normal(rng, (1, 40, 2, 64), jnp.float32)
+    for T, start in [(1, 30), (5, 20)]:
+        q, s = _normal(rng, (1, T, 4, 64), jnp.float32), jnp.asarray([start], jnp.int32)
+        err = rel_err(attention.cached_attention(q, k, v, s, scale=0.125),
+                      attention.xla_cached_attention(q, k, v, s, scale=0.125))
+        assert err < 2e-5, f"cached_attention {T=}: rel err {err:.2e}, seed {seed}"
+    seg = jnp.asarray([0] * 9 + [1] * 4 + [-1] * 2, jnp.int32)
+    q = _normal(rng, (15, 2, 72), jnp.float32)
+    err = rel_err(attention.block_diagonal_attention(q, q, q, seg, scale=0.1),
+                  attention.xla_block_diagonal_attention(q, q, q, seg, scale=0.1))
+    assert err < 2e-5, f"block_diagonal_attention: rel err {err:.2e}, seed {seed}"

@@ -156,13 +156,16 @@ def write_checkpoint(spec: Spec, directory: Path, seed: int) -> Path:
 
 
 def load_reference(directory: Path, dtype: str = "float32"):
-    """The saved checkpoint, read back by transformers (what luxjax reads too), eager attention."""
+    """The saved checkpoint, read back by transformers (what luxjax reads too), eager attention.
+    dtype "bfloat16": loaded in float32 then `model.to(torch.bfloat16)` (this also rounds the rotary inv_freq
+    buffers to bf16); "bfloat16-load": loaded as bfloat16 (inv_freq stays float32). Both are transformers' bf16."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
     arch = json.loads((directory / "config.json").read_text())["architectures"][0]
     cls = Qwen3_5ForCausalLM if arch == "Qwen3_5ForCausalLM" else Qwen3_5ForConditionalGeneration
-    model = cls.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
+    load_dtype = torch.bfloat16 if dtype == "bfloat16-load" else torch.float32
+    model = cls.from_pretrained(directory, attn_implementation="eager", dtype=load_dtype)
     model.eval()
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
@@ -418,6 +421,10 @@ def compare_greedy(lux_tokens, lux_steps, ref_tokens, ref_steps, *, tol: float, 
 # --- bf16 measures --------------------------------------------------------------------------------------------
 def top1_agreement(logits, ref) -> float:
     return float(np.mean(np.argmax(logits, -1) == np.argmax(ref, -1)))
+
+
+def rms_error(logits, ref) -> float:
+    return float(np.sqrt(np.mean((np.asarray(logits, np.float64) - np.asarray(ref, np.float64)) ** 2)))
 
 
 def mean_cosine(logits, ref) -> float:

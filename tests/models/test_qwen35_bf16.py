@@ -1,62 +1,89 @@
-"""bfloat16 judged against a measured floor: transformers run in bfloat16 on the same inputs sets how far a bf16
-program lands from the float32 reference (top-1 agreement over all prompt positions, mean cosine of the logits);
-luxjax.load(dtype="bfloat16") must do at least as well, within 0.5 percentage points and 1e-3 cosine."""
+"""bfloat16 judged against a measured floor.
+
+transformers run in bfloat16 on the same inputs sets how far a bf16 program lands from the float32 reference:
+top-1 agreement over all prompt positions, mean cosine of the logits, RMS logit error. luxjax.load(dtype="bfloat16")
+must do at least as well: top-1 >= transformers' - 0.5 percentage points, cosine >= transformers' - 1e-3, RMS error
+<= 1.1x transformers'.
+
+transformers has two equally legitimate bf16 programs: `model.to(torch.bfloat16)` (which also rounds the rotary
+inv_freq buffers to bf16) and loading with dtype=torch.bfloat16 (inv_freq stays float32). The floor is the weaker of
+the two on each measure: their top-1 agreement differs by about a point on the fixture (measured 0.923 vs 0.912
+over its 441 positions), which is the noise of that statistic, while cosine and RMS error agree closely."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import luxjax
-from qwen35_model_helpers import (FIXTURE, Case, image_processor, load_reference, make_case, mean_cosine,
-                                  reference, top1_agreement)
+from qwen35_model_helpers import (FIXTURE, SPECS, Case, image_processor, load_reference, make_case, mean_cosine,
+                                  reference, rms_error, top1_agreement)
 
 TOP1_SLACK = 0.005
 COSINE_SLACK = 1e-3
+RMS_FACTOR = 1.1
+TORCH_BF16 = ("bfloat16", "bfloat16-load")
 
 
-def judge(label: str, rows: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]):
-    """rows: (case, luxjax bf16 logits, transformers bf16 logits, transformers float32 logits); pooled over cases."""
-    for name, lux, tbf, ref in rows:
-        print(f"{label} {name} ({len(ref)} positions): top-1 luxjax {top1_agreement(lux, ref):.4f} transformers "
-              f"{top1_agreement(tbf, ref):.4f}; cosine luxjax {mean_cosine(lux, ref):.6f} transformers "
-              f"{mean_cosine(tbf, ref):.6f}")
-    lux = np.concatenate([r[1] for r in rows])
-    tbf = np.concatenate([r[2] for r in rows])
-    ref = np.concatenate([r[3] for r in rows])
-    measured = dict(top1_luxjax=top1_agreement(lux, ref), top1_transformers=top1_agreement(tbf, ref),
-                    cosine_luxjax=mean_cosine(lux, ref), cosine_transformers=mean_cosine(tbf, ref))
-    print(f"{label} pooled over {len(ref)} positions: " + ", ".join(f"{k} {v:.6f}" for k, v in measured.items()))
-    assert measured["top1_luxjax"] >= measured["top1_transformers"] - TOP1_SLACK, f"{label}: {measured}"
-    assert measured["cosine_luxjax"] >= measured["cosine_transformers"] - COSINE_SLACK, f"{label}: {measured}"
+def measures(logits, ref) -> dict:
+    return dict(top1=top1_agreement(logits, ref), cosine=mean_cosine(logits, ref), rms=rms_error(logits, ref))
+
+
+def judge(label: str, cases: list[str], lux: list, torch_bf16: dict[str, list], ref: list):
+    """Per-case numbers printed; the verdict pools all positions of all cases."""
+    for i, name in enumerate(cases):
+        line = ", ".join(f"{k} {v:.4f}" for k, v in measures(lux[i], ref[i]).items())
+        floors = "; ".join(f"transformers {variant}: " + ", ".join(f"{k} {v:.4f}" for k, v in
+                                                                    measures(out[i], ref[i]).items())
+                           for variant, out in torch_bf16.items())
+        print(f"{label} {name} ({len(ref[i])} positions): luxjax {line}; {floors}")
+    ref_all = np.concatenate(ref)
+    ours = measures(np.concatenate(lux), ref_all)
+    theirs = {variant: measures(np.concatenate(out), ref_all) for variant, out in torch_bf16.items()}
+    floor = dict(top1=min(t["top1"] for t in theirs.values()), cosine=min(t["cosine"] for t in theirs.values()),
+                 rms=max(t["rms"] for t in theirs.values()))
+    summary = (f"{label} pooled over {len(ref_all)} positions: luxjax {ours}; transformers {theirs}; floor {floor}")
+    print(summary)
+    failures = []
+    if ours["top1"] < floor["top1"] - TOP1_SLACK:
+        failures.append(f"top-1 {ours['top1']:.4f} < {floor['top1']:.4f} - {TOP1_SLACK}")
+    if ours["cosine"] < floor["cosine"] - COSINE_SLACK:
+        failures.append(f"cosine {ours['cosine']:.6f} < {floor['cosine']:.6f} - {COSINE_SLACK}")
+    if ours["rms"] > RMS_FACTOR * floor["rms"]:
+        failures.append(f"RMS logit error {ours['rms']:.4f} > {RMS_FACTOR} x {floor['rms']:.4f}")
+    assert not failures, "luxjax bf16 below transformers' bf16 floor: " + "; ".join(failures) + "\n" + summary
 
 
 def test_fixture_bf16_against_transformers_floor():
     lux = luxjax.load(FIXTURE / "hf", dtype="bfloat16", progress=False)
-    torch_bf16 = load_reference(FIXTURE / "hf", "bfloat16")
-    rows = []
-    for name in ("text", "one_image", "two_images"):
+    torch_models = {variant: load_reference(FIXTURE / "hf", variant) for variant in TORCH_BF16}
+    names, ours, ref = ["text", "one_image", "two_images"], [], []
+    theirs: dict[str, list] = {variant: [] for variant in TORCH_BF16}
+    for name in names:
         data = np.load(FIXTURE / f"ref_{name}.npz")
         case = Case(name, data["input_ids"].tolist(), [], data["pixel_values"] if "pixel_values" in data else None,
                     data["image_grid_thw"] if "image_grid_thw" in data else None)
         logits = lux.forward_logits(case.input_ids, case.image_inputs())
         assert logits.dtype == np.float32 and np.isfinite(logits).all()
-        rows.append((name, logits, reference(torch_bf16, case, generate=False).logits, data["logits"]))
-    judge("fixture", rows)
+        ours.append(logits)
+        ref.append(data["logits"])
+        for variant, model in torch_models.items():
+            theirs[variant].append(reference(model, case, generate=False).logits)
+    judge("fixture", names, ours, theirs, ref)
 
 
 @pytest.mark.parametrize("name", ["ratio2-interval3"])
 def test_random_checkpoint_bf16_against_transformers_floor(checkpoint, name):
     directory, seed = checkpoint(name)
-    from qwen35_model_helpers import SPECS
-
     spec = SPECS[name]
     rng = np.random.default_rng(seed + 1)
     processor = image_processor(directory)
     cases = [make_case(rng, f"{n} images", n, processor, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
              for n in (1, 2, 3)]
     lux = luxjax.load(directory, dtype="bfloat16", progress=False)
-    torch_f32, torch_bf16 = load_reference(directory), load_reference(directory, "bfloat16")
-    rows = [(f"{case.label} ({len(case.input_ids)} tokens)", lux.forward_logits(case.input_ids, case.image_inputs()),
-             reference(torch_bf16, case, generate=False).logits, reference(torch_f32, case, generate=False).logits)
-            for case in cases]
-    judge(f"[{name} seed={seed}]", rows)
+    torch_f32 = load_reference(directory)
+    torch_models = {variant: load_reference(directory, variant) for variant in TORCH_BF16}
+    ours = [lux.forward_logits(case.input_ids, case.image_inputs()) for case in cases]
+    ref = [reference(torch_f32, case, generate=False).logits for case in cases]
+    theirs = {variant: [reference(model, case, generate=False).logits for case in cases]
+              for variant, model in torch_models.items()}
+    judge(f"[{name} seed={seed}]", [f"{c.label} ({len(c.input_ids)} tokens)" for c in cases], ours, theirs, ref)

@@ -1,0 +1,137 @@
+"""Fused dequantize-matmul (Pallas/Triton) vs the XLA dequantize-then-dot path on the Qwen3.5-27B shapes.
+
+Decode GEMV (x rows 1, 4, 16): GB/s of packed weight + x + y bytes, against a measured device copy ceiling.
+Prefill GEMM (M=1024): TFLOP/s against a measured bf16 matmul. Each timing is the median of >= 20 runs of one
+jitted call that applies R weight copies in turn (rotating past the 60 MB L2, one dispatch for R kernels).
+Prints a markdown table; writes JSON to $OUT (or the cwd). BENCH_SECONDS bounds the run (default 400).
+Usage: python benchmarks/bench_quant_matmul.py [--sweep]  (--sweep: GEMV block sizes on the first shape)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from luxjax.checkpoint.quant_formats import FORMATS  # noqa: E402
+from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
+from luxjax.ops.linear import _xla_linear  # noqa: E402
+from pallas_kernels.quant_matmul import BlockSizes, quant_matmul  # noqa: E402
+
+TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+SHAPES = [(17408, 5120), (5120, 17408), (12288, 5120), (10240, 5120)]  # (out, in)
+DECODE_ROWS = (1, 4, 16)
+PREFILL_M, PREFILL_SHAPES = 1024, SHAPES[:2]
+REPS = 25
+ROTATE_BYTES = 256 * 2**20  # weights per timed call, well past the 60 MB L2
+
+
+def random_weight(key, ggml_type, out, k) -> QuantizedTensor:
+    """Random planes made on device; f16 scale planes get modest finite values."""
+    block, _ = GGML_QUANT_SIZES[ggml_type]
+    planes = {}
+    for f in FORMATS[ggml_type].fields:
+        key, sub = jax.random.split(key)
+        shape = (out, k // block, f.nbytes // np.dtype(f.dtype).itemsize)
+        if f.name in ("d", "dmin"):
+            planes[f.name] = jax.lax.bitcast_convert_type(
+                (jax.random.uniform(sub, shape, jnp.float32, -0.05, 0.05)).astype(jnp.float16), jnp.uint16)
+        else:
+            dt = np.dtype(f.dtype)
+            bits = jax.random.bits(sub, shape, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dt.itemsize])
+            planes[f.name] = jax.lax.bitcast_convert_type(bits, dt)
+    return QuantizedTensor(planes, ggml_type, (out, k), jnp.dtype(jnp.float32))
+
+
+def median_seconds(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def rotating(impl, n_copies):
+    """One jit applying impl to (x_i, w_i) for each copy i: kernels back to back, weights not cache-resident."""
+    return jax.jit(lambda xs, ws: [impl(xs[i], ws[i]) for i in range(n_copies)])
+
+
+def ceilings() -> dict:
+    a = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+    t = median_seconds(jax.jit(lambda v: v * 1.0001), a)
+    b = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+    tm = median_seconds(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(p.dtype)), b, b)
+    return {"copy_GBps": 2 * a.nbytes / t / 1e9, "bf16_TFLOPs": 2 * 8192**3 / tm / 1e12}
+
+
+def sweep(key, deadline) -> None:
+    """GEMV block sizes (block_m, block_n, super-blocks per K step, warps) on the first shape, three types."""
+    out, k = SHAPES[0]
+    variants = {1: [(1, 8, 2, 4), (1, 16, 2, 4), (1, 32, 2, 4), (1, 16, 4, 4), (1, 16, 2, 8), (16, 32, 2, 4)],
+                16: [(16, 16, 2, 4), (16, 32, 2, 4), (16, 64, 2, 4)]}
+    for ggml_type in (T.Q4_K, T.Q8_0, T.IQ4_XS):
+        ws = [random_weight(jax.random.fold_in(key, i), ggml_type, out, k) for i in range(6)]
+        block = GGML_QUANT_SIZES[ggml_type][0]
+        for m, vs in variants.items():
+            xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.bfloat16) for i in range(6)]
+            for bm, bn, sbs, warps in vs:
+                if time.time() > deadline:
+                    return
+                bs = BlockSizes(bm, bn, sbs * 256 // block, warps, 3)
+                t = median_seconds(rotating(lambda x, w, bs=bs: quant_matmul(x, w, block_sizes=bs), 6), xs, ws) / 6
+                print(f"sweep {ggml_type.name} m={m} {bs}: {ws[0].nbytes / t / 1e9:.0f} GB/s", flush=True)
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT", ".")
+    start, budget = time.time(), float(os.environ.get("BENCH_SECONDS", "400"))
+    deadline = start + budget
+    ceil = ceilings()
+    print(f"copy ceiling {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows, key = [], jax.random.key(1)
+    if "--sweep" in sys.argv:
+        sweep(key, start + budget / 3)
+    for out, k in SHAPES:
+        for ggml_type in TYPES:
+            if time.time() > deadline:
+                print("deadline reached, stopping", flush=True)
+                break
+            w0 = random_weight(key, ggml_type, out, k)
+            copies = min(16, max(2, -(-ROTATE_BYTES // w0.nbytes)))
+            ws = [w0] + [random_weight(jax.random.fold_in(key, i), ggml_type, out, k) for i in range(1, copies)]
+            for m in DECODE_ROWS + ((PREFILL_M,) if (out, k) in PREFILL_SHAPES else ()):
+                xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.bfloat16) for i in range(copies)]
+                res = {"type": ggml_type.name, "out": out, "in": k, "m": m}
+                for name, impl in (("pallas", quant_matmul), ("xla", _xla_linear)):
+                    t = median_seconds(rotating(impl, copies), xs, ws) / copies
+                    res[f"{name}_us"] = t * 1e6
+                    res[f"{name}_GBps"] = (w0.nbytes + 2 * m * (k + out)) / t / 1e9
+                    res[f"{name}_TFLOPs"] = 2 * m * out * k / t / 1e12
+                rows.append(res)
+                print(json.dumps(res), flush=True)
+                with open(os.path.join(out_dir, "bench_quant_matmul.json"), "w") as f:
+                    json.dump({"ceilings": ceil, "device": str(jax.devices()[0]), "results": rows}, f, indent=1)
+            del ws
+    print("\n| type | out x in | M | Pallas us | XLA us | Pallas | XLA | Pallas % of ceiling |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["m"] >= PREFILL_M:
+            a, b, pct = f"{r['pallas_TFLOPs']:.0f} TFLOP/s", f"{r['xla_TFLOPs']:.0f} TFLOP/s", \
+                r["pallas_TFLOPs"] / ceil["bf16_TFLOPs"]
+        else:
+            a, b, pct = f"{r['pallas_GBps']:.0f} GB/s", f"{r['xla_GBps']:.0f} GB/s", r["pallas_GBps"] / ceil["copy_GBps"]
+        print(f"| {r['type']} | {r['out']}x{r['in']} | {r['m']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} | "
+              f"{a} | {b} | {100 * pct:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

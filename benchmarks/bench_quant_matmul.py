@@ -73,22 +73,35 @@ def ceilings() -> dict:
     return {"copy_GBps": 2 * a.nbytes / t / 1e9, "bf16_TFLOPs": 2 * 8192**3 / tm / 1e12}
 
 
-def sweep(key, deadline) -> None:
-    """GEMV block sizes (block_m, block_n, super-blocks per K step, warps) on the first shape, three types."""
+# (block_m, block_n, values per K step, warps) per regime; block_m 1 is the reduce GEMV.
+VARIANTS = {1: [(1, 8, 512, 4), (1, 16, 256, 4), (1, 8, 256, 2), (16, 64, 256, 4)],
+            16: [(16, 32, 512, 4), (16, 64, 512, 4), (16, 128, 256, 8)],
+            PREFILL_M: [(64, 128, 64, 4), (64, 64, 64, 4), (128, 128, 64, 8)]}
+
+
+def sweep(key, deadline) -> dict:
+    """Block sizes per type and regime on the first shape; returns the fastest of each, keyed (type, m)."""
     out, k = SHAPES[0]
-    variants = {1: [(1, 8, 2, 4), (1, 16, 2, 4), (1, 32, 2, 4), (1, 16, 4, 4), (1, 16, 2, 8), (16, 32, 2, 4)],
-                16: [(16, 16, 2, 4), (16, 32, 2, 4), (16, 64, 2, 4)]}
-    for ggml_type in (T.Q4_K, T.Q8_0, T.IQ4_XS):
+    best = {}
+    for ggml_type in TYPES:
         ws = [random_weight(jax.random.fold_in(key, i), ggml_type, out, k) for i in range(6)]
         block = GGML_QUANT_SIZES[ggml_type][0]
-        for m, vs in variants.items():
+        for m, vs in VARIANTS.items():
             xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.bfloat16) for i in range(6)]
-            for bm, bn, sbs, warps in vs:
+            for bm, bn, values, warps in vs:
                 if time.time() > deadline:
-                    return
-                bs = BlockSizes(bm, bn, sbs * 256 // block, warps, 3)
-                t = median_seconds(rotating(lambda x, w, bs=bs: quant_matmul(x, w, block_sizes=bs), 6), xs, ws) / 6
-                print(f"sweep {ggml_type.name} m={m} {bs}: {ws[0].nbytes / t / 1e9:.0f} GB/s", flush=True)
+                    return best
+                bs = BlockSizes(bm, bn, max(1, values // block), warps, 3)
+                try:
+                    t = median_seconds(rotating(lambda x, w, bs=bs: quant_matmul(x, w, block_sizes=bs), 6), xs, ws) / 6
+                except jax.errors.JaxRuntimeError as e:  # e.g. shared memory over the limit for this tile
+                    print(f"sweep {ggml_type.name} m={m} {bs}: failed: {str(e).splitlines()[0]}", flush=True)
+                    continue
+                print(f"sweep {ggml_type.name} m={m} {bs}: {t * 1e6:.1f} us, {ws[0].nbytes / t / 1e9:.0f} GB/s, "
+                      f"{2 * m * out * k / t / 1e12:.1f} TFLOP/s", flush=True)
+                if (ggml_type, m) not in best or t < best[ggml_type, m][0]:
+                    best[ggml_type, m] = (t, bs)
+    return {key_: bs for key_, (_, bs) in best.items()}
 
 
 def main() -> None:
@@ -98,20 +111,22 @@ def main() -> None:
     ceil = ceilings()
     print(f"copy ceiling {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows, key = [], jax.random.key(1)
-    if "--sweep" in sys.argv:
-        sweep(key, start + budget / 3)
+    best = sweep(key, start + budget / 2) if "--sweep" in sys.argv else {}
     for out, k in SHAPES:
         for ggml_type in TYPES:
             if time.time() > deadline:
-                print("deadline reached, stopping", flush=True)
-                break
+                print(f"deadline reached: {ggml_type.name} {out}x{k} not run", flush=True)
+                continue
             w0 = random_weight(key, ggml_type, out, k)
             copies = min(16, max(2, -(-ROTATE_BYTES // w0.nbytes)))
             ws = [w0] + [random_weight(jax.random.fold_in(key, i), ggml_type, out, k) for i in range(1, copies)]
             for m in DECODE_ROWS + ((PREFILL_M,) if (out, k) in PREFILL_SHAPES else ()):
                 xs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.bfloat16) for i in range(copies)]
                 res = {"type": ggml_type.name, "out": out, "in": k, "m": m}
-                for name, impl in (("pallas", quant_matmul), ("xla", _xla_linear)):
+                bs = best.get((ggml_type, 16 if 1 < m <= 16 else m))  # None: BlockSizes.get_default
+                res["block_sizes"] = str(bs) if bs else "default"
+                pallas = lambda x, w, bs=bs: quant_matmul(x, w, block_sizes=bs)
+                for name, impl in (("pallas", pallas), ("xla", _xla_linear)):
                     t = median_seconds(rotating(impl, copies), xs, ws) / copies
                     res[f"{name}_us"] = t * 1e6
                     res[f"{name}_GBps"] = (w0.nbytes + 2 * m * (k + out)) / t / 1e9

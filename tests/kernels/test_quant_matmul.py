@@ -74,7 +74,7 @@ def test_explicit_block_sizes_pad_rows_and_m(ggml_type, seed):
 
 
 def test_linear_dispatches_to_kernel(monkeypatch, seed):
-    """linear() takes the kernel for supported packed weights when Pallas is chosen, leading axes kept."""
+    """linear() takes the kernel for decode-sized x when Pallas is chosen (leading axes kept), XLA for prefill."""
     rng = np.random.default_rng(seed)
     w, dense = random_weight(rng, T.Q6_K, 33, 512)
     x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.float32)
@@ -86,3 +86,5 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     assert calls, "linear() did not take the Pallas kernel"
     assert got.shape == (2, 3, 33)
     check(got.reshape(6, 33), x.reshape(6, 512), dense, jnp.float32, f"linear Q6_K seed {seed}")
+    linear_mod.linear(jnp.ones((linear_mod._PALLAS_MAX_ROWS + 1, 512), jnp.float32), w)
+    assert len(calls) == 1, "prefill-sized x should take the XLA path"

@@ -54,3 +54,15 @@ def luxjax_f32():
         return loaded[directory]
 
     return get
+
+
+MODULE_ORDER = ("test_qwen35_parity", "test_qwen35_chunked", "test_qwen35_checkpoints", "test_qwen35_bf16")
+
+
+def pytest_collection_modifyitems(items):
+    """float32 parity first (it compiles the shared shapes and is what everything else leans on), bf16 last."""
+    def rank(item):
+        name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        return MODULE_ORDER.index(name) if name in MODULE_ORDER else len(MODULE_ORDER)
+
+    items.sort(key=rank)  # stable: keeps the order inside each module

@@ -3,6 +3,7 @@ several client concurrencies, for text and image chat requests. Prints a markdow
 
     python benchmarks/bench_server.py --model tests/fixtures/qwen35-tiny-a/hf --dtype float32 -c 1024
     python benchmarks/bench_server.py --url http://127.0.0.1:8080     # an already running server
+    python benchmarks/bench_server.py --random-config qwen35-27b      # random weights of a real shape, in-process
 """
 from __future__ import annotations
 
@@ -48,7 +49,56 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=600, help="seconds; stop starting new requests after it")
     p.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
     p.add_argument("--kinds", default="text,image")
+    p.add_argument("--random-config", help="serve a random-weight model of this benchmarks/model_configs.py shape "
+                                           "in-process (tokenizer and chat template of the tiny fixture)")
     return p.parse_args()
+
+
+def start_random_server(args):
+    """A server thread over a random-weight model: transformers initialises it on the device and luxjax takes the
+    tensors through DLPack (see bench_model.py). The fixture's 1,024-token tokenizer cannot spell most ids of a
+    real vocabulary, so streamed text (and with it TTFT) arrives late; aggregate tokens/s is unaffected."""
+    import threading
+
+    import jax
+    import uvicorn
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_model import build_torch_model
+    from benchmarks.model_configs import CONFIGS
+    from luxjax.engine.scheduler import Engine
+    from luxjax.http.app import create_app
+    from luxjax.http.settings import Settings
+    from luxjax.models.qwen35.config import ModelConfig
+    from luxjax.models.qwen35.load import build
+    from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
+    from luxjax.text.tokenizer import Tokenizer
+
+    fixture = ROOT / "tests" / "fixtures" / "qwen35-tiny-a" / "hf"
+    tokenizer = Tokenizer.from_hf_dir(fixture)
+    ids = {key: tokenizer.token_to_id(token) for key, token in (
+        ("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"))}
+    cfg_dict = {**CONFIGS[args.random_config], **ids}
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    torch_model = build_torch_model(cfg_dict, args.dtype, device)
+    tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
+    released_limits = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+    processor = Qwen35ImageProcessor.from_preprocessor_config(
+        json.loads((fixture / "preprocessor_config.json").read_text()) | released_limits)
+    backend = build(ModelConfig.from_hf(cfg_dict), tensors, tokenizer, processor, args.dtype,
+                    origin=args.random_config, max_context=args.max_ctx)
+    del tensors, torch_model
+    settings = Settings(model=args.random_config, dtype=args.dtype, max_ctx=args.max_ctx,
+                        max_concurrency=args.slots, max_queue=256)
+    engine = Engine(backend, max_concurrency=args.slots, max_queue=256, max_ctx=args.max_ctx,
+                    prefill_chunk=settings.prefill_chunk).start()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=free_port(),
+                                           log_level="warning", access_log=False))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{server.config.port}"
 
 
 def free_port() -> int:
@@ -166,8 +216,10 @@ async def benchmark(url: str, args) -> list[str]:
 
 def main() -> None:
     args = parse_args()
-    process = None
-    if args.url:
+    process = server = None
+    if args.random_config:
+        server, url = start_random_server(args)
+    elif args.url:
         if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit("this load generator only targets loopback servers")
         url = args.url.rstrip("/")
@@ -179,7 +231,9 @@ def main() -> None:
         if process is not None:
             process.terminate()
             process.wait(timeout=30)
-    props = httpx.get(f"{url}/props", timeout=10).json() if process is None else None
+        if server is not None:
+            server.should_exit = True
+    props = httpx.get(f"{url}/props", timeout=10).json() if args.url else None
     print()
     if props:
         print(f"server: {props.get('model_alias')} n_ctx={props.get('n_ctx')} slots={props.get('max_concurrency')}")

@@ -17,12 +17,14 @@ from luxjax.vision.types import ImageInputs
 ASSETS = Path(__file__).parent / "assets"
 
 
-def default_model_path() -> Path:
-    """The small model that ships inside the package (a Hugging Face directory with its vision tower)."""
+def default_model_path() -> tuple[Path, Path]:
+    """The small demo model that ships inside the package (luxjax/demo): (GGUF decoder, its mmproj GGUF)."""
     folder = ASSETS / "default"
-    if not (folder / "config.json").exists():
-        raise ModelFormatError(f"no default model in {folder}")
-    return folder
+    decoders = [p for p in sorted(folder.glob("*.gguf")) if not p.name.startswith("mmproj")]
+    projectors = sorted(folder.glob("mmproj*.gguf"))
+    if not decoders or not projectors:
+        raise ModelFormatError(f"no default model (a GGUF decoder and an mmproj*.gguf) in {folder}")
+    return decoders[0], projectors[0]
 
 
 @dataclass
@@ -81,6 +83,7 @@ def load(path=None, mmproj=None, dtype: str = "bfloat16", *, max_context: int | 
     from luxjax.models.registry import load_backend
 
     if path is None:
-        path = default_model_path()
+        path, default_mmproj = default_model_path()
+        mmproj = default_mmproj if mmproj is None else mmproj
     return Model(load_backend(Path(path), None if mmproj is None else Path(mmproj), dtype,
                               max_context=max_context, progress=progress, cache_dir=cache_dir))

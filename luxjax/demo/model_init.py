@@ -12,7 +12,7 @@ IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
 def model_config(vocab_size: int, ids: dict[str, int]) -> dict:
     """HF config.json dict. `ids`: token ids of <|image_pad|>, <|vision_start|>, <|vision_end|>, <|im_end|>,
     <|endoftext|> in the demo tokenizer."""
-    layers = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    layers = ["linear_attention", "full_attention"] * 2  # two attention layers: images are read by attention
     text = {
         "vocab_size": vocab_size, "hidden_size": 256, "num_hidden_layers": len(layers), "intermediate_size": 512,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,

@@ -76,12 +76,13 @@ def make_loss(cfg: dict):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=5500)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="0: in-process")
     p.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds of training (0 = none)")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
     p.add_argument("--out", default="out/demo")
     args = p.parse_args(argv)
     started = time.time()
@@ -128,24 +129,31 @@ def main(argv=None):
             ema = loss if ema is None else 0.8 * ema + 0.2 * loss
             bar.set_postfix(loss=f"{loss:.4f}", ema=f"{ema:.4f}", acc=f"{acc:.3f}")
         bar.update(1)
+        if args.save_every and done % args.save_every == 0:
+            save(args.out, params, cfg, meta)
         if args.time_limit and time.time() - t0 > args.time_limit:
             break
     bar.close()
     if pool is not None:
         pool.terminate()
     final_loss = float(loss)
-    out = Path(args.out)
+    out = save(args.out, params, cfg, meta)
+    summary = {"steps": done, "batch": args.batch, "train_seconds": round(time.time() - t0, 1),
+               "total_seconds": round(time.time() - started, 1), "final_loss": final_loss,
+               "final_loss_ema": ema, "device": str(jax.devices()[0])}
+    (out / "summary.json").write_text(json.dumps(summary))
+    print("SUMMARY", json.dumps(summary), flush=True)
+
+
+def save(folder, params, cfg: dict, meta: dict) -> Path:
+    out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.asarray(v, np.float32) for k, v in params.items()}
     np.savez(out / "params_text.npz", **{k: v for k, v in arrays.items() if not k.startswith("model.visual.")})
     np.savez(out / "params_vision.npz", **{k: v for k, v in arrays.items() if k.startswith("model.visual.")})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "tokenizer.json").write_text(json.dumps(meta))
-    summary = {"steps": done, "batch": args.batch, "train_seconds": round(time.time() - t0, 1),
-               "total_seconds": round(time.time() - started, 1), "final_loss": final_loss,
-               "final_loss_ema": ema, "device": str(jax.devices()[0])}
-    (out / "summary.json").write_text(json.dumps(summary))
-    print("SUMMARY", json.dumps(summary), flush=True)
+    return out
 
 
 def load_trained(folder) -> tuple[dict, dict, dict]:

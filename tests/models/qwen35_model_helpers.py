@@ -82,10 +82,12 @@ def vision_config(**kw) -> dict:
     return base
 
 
-def randomize_(model, seed: int, *, head_scale: float = 4.0):
+def randomize_(model, seed: int, *, head_scale: float = 2.5):
     """Weights of meaningful size (the transformers init leaves norms at identity and activations tiny): linears
     N(0, 1/fan_in), norm weights around their identity, random DeltaNet gates; the output head scaled so that
-    next-token distributions are peaked (greedy parity is meaningful). All values rounded to bf16 so that the
+    next-token distributions are peaked (greedy parity is meaningful: median top-2 margin ~0.5) while float32 noise
+    stays well inside the 1e-3 logits bound (it grows with the logits' scale: transformers' own float32 logits are
+    typically 1e-4..4e-4 from its float64 ones at this scale, with a tail to ~1e-3). All values rounded to bf16 so that the
     bf16 runs of both sides start from the same weights."""
     import torch
 
@@ -340,7 +342,7 @@ def _torch_inputs(case: Case):
     return kw
 
 
-def reference(model, case: Case, *, generate: bool = True) -> Reference:
+def reference(model, case: Case, *, generate: bool = True, image_features: bool = True) -> Reference:
     import torch
 
     kw = _torch_inputs(case)
@@ -349,7 +351,7 @@ def reference(model, case: Case, *, generate: bool = True) -> Reference:
         if hasattr(model, "model") and hasattr(model.model, "visual"):
             model.model.rope_deltas = None
         logits = model(**kw).logits[0].float().numpy()
-        if case.grid_thw is not None:
+        if image_features and case.grid_thw is not None:
             out = model.model.get_image_features(kw["pixel_values"].to(model.dtype), kw["image_grid_thw"])
             features = torch.cat(list(out.pooler_output)).float().numpy()
         greedy, steps = [], np.zeros((0, logits.shape[-1]), np.float32)
@@ -361,6 +363,31 @@ def reference(model, case: Case, *, generate: bool = True) -> Reference:
             greedy = gen.sequences[0, len(case.input_ids):].tolist()
             steps = torch.cat(gen.logits).float().numpy()
     return Reference(logits, greedy, steps, features)
+
+
+def float64_logits(directory: Path, case: Case) -> np.ndarray:
+    """transformers in float64: the truth both float32 programs approximate."""
+    import torch
+
+    model = load_reference(directory).double()
+    kw = {k: (v.double() if v.dtype == torch.float32 else v) for k, v in _torch_inputs(case).items()}
+    with torch.no_grad():
+        return model(**kw).logits[0].numpy()
+
+
+def check_logits(logits, ref32, tol: float, where: str, directory: Path, case: Case) -> str:
+    """Logits within `tol` of transformers' float32 logits at every position. When they are not, transformers'
+    float64 logits arbitrate: the excess may be transformers' own float32 error (its noise has a tail near 1e-3),
+    so luxjax passes if it is within `tol` of the float64 logits. Returns a description of what was measured."""
+    diff = max_abs(logits, ref32)
+    if diff <= tol:
+        return f"logits max |diff| {diff:.3g}"
+    truth = float64_logits(directory, case)
+    ours, theirs = max_abs(logits, truth), max_abs(ref32, truth)
+    detail = (f"logits max |diff| {diff:.3g} at position {worst_row(logits, ref32)}; against float64 transformers: "
+              f"luxjax {ours:.3g}, transformers float32 {theirs:.3g}")
+    assert ours <= tol, f"{where}: {detail}"
+    return detail + " (float64 arbitration)"
 
 
 # --- the luxjax side --------------------------------------------------------------------------------------------

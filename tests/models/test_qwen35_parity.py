@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen35_model_helpers import (EOS, FIXTURE, SPECS, Case, compare_greedy, image_processor, load_reference,
-                                  luxjax_run, make_case, max_abs, reference, worst_row)
+from qwen35_model_helpers import (EOS, FIXTURE, SPECS, Case, check_logits, compare_greedy, image_processor,
+                                  load_reference, luxjax_run, make_case, max_abs, reference, worst_row)
 
 LOGITS_TOL = 1e-3
 FEATURES_TOL = 1e-4
@@ -102,20 +102,6 @@ def random_models(checkpoint, luxjax_f32):
     return get
 
 
-def _f64_note(model: RandomModel, n: int, lux_logits) -> str:
-    """On failure: how far transformers' own float32 run is from its float64 run, and luxjax from float64."""
-    import torch
-
-    from qwen35_model_helpers import _torch_inputs
-
-    m64 = load_reference(model.directory).double()
-    kw = {k: (v.double() if v.dtype == torch.float32 else v) for k, v in _torch_inputs(model.cases[n]).items()}
-    with torch.no_grad():
-        l64 = m64(**kw).logits[0].numpy()
-    return (f" (float64 transformers: its float32 run is {max_abs(model.ref(n).logits, l64):.3g} away, "
-            f"luxjax {max_abs(lux_logits, l64):.3g})")
-
-
 @pytest.mark.parametrize("n", IMAGE_COUNTS)
 @pytest.mark.parametrize("name", VISION_SPECS)
 def test_random_checkpoint_logits_and_greedy(random_models, name, n):
@@ -124,13 +110,10 @@ def test_random_checkpoint_logits_and_greedy(random_models, name, n):
     where = model.where(n)
     assert model.lux.has_vision
     run = luxjax_run(model.lux.backend, case)
-    diff = max_abs(run.logits, ref.logits)
-    note = "" if diff <= LOGITS_TOL else _f64_note(model, n, run.logits)
-    assert diff <= LOGITS_TOL, f"{where}: logits differ by {diff:.3g} at position {worst_row(run.logits, ref.logits)}{note}"
+    measured = check_logits(run.logits, ref.logits, LOGITS_TOL, where, model.directory, case)
     steps, step_diff = compare_greedy(run.greedy, run.step_logits, ref.greedy, ref.step_logits, tol=LOGITS_TOL,
                                       where=where)
-    print(f"{where}: logits max |diff| {diff:.3g}; greedy {ref.greedy} equal over {steps} steps, "
-          f"step logits max |diff| {step_diff:.3g}")
+    print(f"{where}: {measured}; greedy {ref.greedy} equal over {steps} steps, step logits max |diff| {step_diff:.3g}")
     # forward_logits (the notebook API) is the same one-pass prefill
     assert max_abs(model.lux.forward_logits(case.input_ids, case.image_inputs()), run.logits) <= 1e-6
 

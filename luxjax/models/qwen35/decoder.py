@@ -26,7 +26,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(w("down_proj.weight"))
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x).astype(jnp.float32), self.up_proj(x).astype(jnp.float32)
+        return self.down_proj((jax.nn.silu(gate) * up).astype(x.dtype))
 
 
 class DecoderLayer(nnx.Module):

@@ -41,16 +41,17 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(w("out_proj.weight"))
 
     def _conv(self, qkv, cache_conv, valid_len):
-        """Causal depthwise conv over [previous inputs; this chunk], then SiLU. Returns the new conv state: the
-        last kernel-1 inputs up to each sequence's last valid token."""
-        w = self.conv_weight.get_value()
+        """Causal depthwise conv over [previous inputs; this chunk] with float32 accumulation (the reference conv
+        rounds once, not per tap), then SiLU. Returns the new conv state: the last kernel-1 inputs up to each
+        sequence's last valid token."""
+        w = self.conv_weight.get_value().astype(jnp.float32)
         kernel = w.shape[-1]
         T = qkv.shape[1]
         xs = jnp.concatenate([cache_conv.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
-        wd = w.astype(qkv.dtype)
-        out = sum(xs[:, j : j + T, :] * wd[:, j] for j in range(kernel))
+        xf = xs.astype(jnp.float32)
+        out = sum(xf[:, j : j + T, :] * w[:, j] for j in range(kernel)).astype(qkv.dtype)
         new_conv = jax.vmap(lambda x, n: jax.lax.dynamic_slice_in_dim(x, n, kernel - 1, axis=0))(xs, valid_len)
-        return jax.nn.silu(out), new_conv
+        return jax.nn.silu(out.astype(jnp.float32)).astype(qkv.dtype), new_conv
 
     def _expand_key_heads(self, x):
         """[B, T, k_heads, d] -> [B, T, v_heads, d] in the order the value heads are stored."""

@@ -54,10 +54,33 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
+                  "<|im_end|>", "<|endoftext|>")
+
+
+def whole_vocabulary_tokenizer(vocab_size: int, fixture):
+    """One word per id of the model's vocabulary (special tokens at the last ids) with the fixture's chat template:
+    every id a random model samples becomes streamed text, so TTFT and per-token latency stay measurable."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from luxjax.text.tokenizer import Tokenizer
+
+    first_special = vocab_size - len(SPECIAL_TOKENS)
+    vocab = {f" w{i}": i for i in range(first_special)}
+    vocab.update({token: first_special + k for k, token in enumerate(SPECIAL_TOKENS)})
+    backend = HFTokenizer(WordLevel(vocab, unk_token=" w0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return Tokenizer(backend, special_tokens={"eos_token": "<|im_end|>"}, eos_token_ids=[vocab["<|im_end|>"]],
+                     chat_template=fixture.chat_template)
+
+
 def start_random_server(args):
     """A server thread over a random-weight model: transformers initialises it on the device and luxjax takes the
-    tensors through DLPack (see bench_model.py). The fixture's 1,024-token tokenizer cannot spell most ids of a
-    real vocabulary, so streamed text (and with it TTFT) arrives late; aggregate tokens/s is unaffected."""
+    tensors through DLPack (see bench_model.py)."""
     import threading
 
     import jax
@@ -75,11 +98,11 @@ def start_random_server(args):
     from luxjax.text.tokenizer import Tokenizer
 
     fixture = ROOT / "tests" / "fixtures" / "qwen35-tiny-a" / "hf"
-    tokenizer = Tokenizer.from_hf_dir(fixture)
-    ids = {key: tokenizer.token_to_id(token) for key, token in (
-        ("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-        ("vision_end_token_id", "<|vision_end|>"))}
-    cfg_dict = {**CONFIGS[args.random_config], **ids}
+    cfg_dict = CONFIGS[args.random_config]
+    tokenizer = whole_vocabulary_tokenizer(cfg_dict["text_config"]["vocab_size"], Tokenizer.from_hf_dir(fixture))
+    cfg_dict = {**cfg_dict, **{key: tokenizer.token_to_id(token) for key, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}}
     device = "cuda" if jax.default_backend() == "gpu" else "cpu"
     torch_model = build_torch_model(cfg_dict, args.dtype, device)
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}

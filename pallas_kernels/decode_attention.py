@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-NEG = -1e30  # finite "minus infinity": masked scores never make NaN through inf - inf
+from pallas_kernels.common import NEG, dot
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +32,6 @@ class BlockSizes:
         splits = max(1, min(-(-264 // (batch * kv_heads)), -(-seq_len // (4 * block_k))))
         return cls(block_k=block_k, num_splits=splits)
 
-
-def _dot(a, b, dims):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
 def _decode_kernel(
@@ -65,12 +62,12 @@ def _decode_kernel(
         valid = idx < hi
         k = plgpu.load(k_ref.at[b, pl.ds(first, block_k), h, :], mask=valid[:, None], other=0.0)
         v = plgpu.load(v_ref.at[b, pl.ds(first, block_k), h, :], mask=valid[:, None], other=0.0)
-        s = _dot(q, k, ((1,), (1,))) * scale  # [block_h, block_k]
+        s = dot(q, k, ((1,), (1,))) * scale  # [block_h, block_k]
         s = jnp.where(valid[None, :], s, NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+        acc = acc * corr[:, None] + dot(p.astype(v.dtype), v, ((1,), (0,)))
         return acc, m_new, l * corr + p.sum(axis=1)
 
     init = (jnp.zeros((block_h, head_dim), jnp.float32), jnp.full((block_h,), NEG, jnp.float32),

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-NEG = -1e30
+from pallas_kernels.common import NEG, dot
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +31,6 @@ class BlockSizes:
             return cls(block_m=128, block_k=64, num_warps=8, num_stages=2)
         return cls(block_m=64, block_k=64, num_warps=4, num_stages=3)
 
-
-def _dot(a, b, dims):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
 def _prefill_kernel(
@@ -65,11 +62,11 @@ def _prefill_kernel(
         k = plgpu.load(k_ref.at[b, pl.ds(kb * block_k, block_k), h, :], mask=in_cache[:, None], other=0.0)
         v = plgpu.load(v_ref.at[b, pl.ds(kb * block_k, block_k), h, :], mask=in_cache[:, None], other=0.0)
         visible = (idx[None, :] <= pos[:, None]) & in_cache[None, :]
-        s = jnp.where(visible, _dot(q, k, ((1,), (1,))) * scale, NEG)  # [block_m, block_k]
+        s = jnp.where(visible, dot(q, k, ((1,), (1,))) * scale, NEG)  # [block_m, block_k]
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+        acc = acc * corr[:, None] + dot(p.astype(v.dtype), v, ((1,), (0,)))
         return acc, m_new, l * corr + p.sum(axis=1)
 
     init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), NEG, jnp.float32),
@@ -85,7 +82,7 @@ def prefill_attention(q, k_cache, v_cache, start, *, scale: float, block_sizes: 
     """q [B, T, Hq, D] at positions start[b] .. start[b]+T-1; k_cache, v_cache [B, S, Hkv, D] already holding
     the chunk. Query t sees cache rows 0 .. start[b]+t. Returns [B, T, Hq, D] in q.dtype."""
     B, T, Hq, D = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[2]
     if Hq % Hkv:
         raise ValueError(f"{Hq=} q heads must be a multiple of {Hkv=} kv heads")
     if D < 16 or D & (D - 1):

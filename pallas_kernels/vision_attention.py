@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-NEG = -1e30
+from pallas_kernels.common import NEG, dot
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +31,6 @@ class BlockSizes:
             return cls(block_q=64, block_k=32, num_warps=8, num_stages=2)
         return cls(block_q=128, block_k=64, num_warps=8, num_stages=3)
 
-
-def _dot(a, b, dims):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
 def _vision_kernel(
@@ -65,11 +62,11 @@ def _vision_kernel(
         v = plgpu.load(v_ref.at[pl.ds(kb * block_k, block_k), h, :], mask=in_range[:, None], other=0.0)
         seg_k = plgpu.load(seg_ref.at[pl.ds(kb * block_k, block_k)], mask=in_range, other=-2)
         same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
-        s = jnp.where(same, _dot(q, k, ((1,), (1,))) * scale, NEG)  # [block_q, block_k]
+        s = jnp.where(same, dot(q, k, ((1,), (1,))) * scale, NEG)  # [block_q, block_k]
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(same, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+        acc = acc * corr[:, None] + dot(p.astype(v.dtype), v, ((1,), (0,)))
         return acc, m_new, l * corr + p.sum(axis=1)
 
     init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),

@@ -3,7 +3,6 @@
 Keep these names stable: `Model.image_inputs`, `encode_images`, `forward_logits`, `render_prompt`, `generate`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -11,6 +10,7 @@ import numpy as np
 from PIL import Image
 
 from luxjax.contract import Backend, Prompt
+from luxjax.engine.generate import Generation, generate, prompt_logits
 from luxjax.errors import ModelFormatError
 from luxjax.vision.types import ImageInputs
 
@@ -25,14 +25,6 @@ def default_model_path() -> tuple[Path, Path]:
     if not decoders or not projectors:
         raise ModelFormatError(f"no default model (a GGUF decoder and an mmproj*.gguf) in {folder}")
     return decoders[0], projectors[0]
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
 
 
 class Model:
@@ -63,14 +55,10 @@ class Model:
 
     def forward_logits(self, input_ids: Sequence[int], image_inputs: ImageInputs | None = None) -> np.ndarray:
         """Logits at every position, np.float32 [T, vocab], in one prefill of the whole sequence."""
-        from luxjax.engine.generate import prompt_logits
-
         return prompt_logits(self.backend, list(input_ids), image_inputs)
 
     def generate(self, messages: Sequence[dict], max_tokens: int = 64, temperature: float = 0.0,
                  seed: int | None = None) -> Generation:
-        from luxjax.engine.generate import generate
-
         return generate(self.backend, self.backend.render_prompt(messages), max_tokens=max_tokens,
                         temperature=temperature, seed=seed)
 

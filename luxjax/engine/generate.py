@@ -3,6 +3,7 @@ batches many sequences through the same backend calls)."""
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 import numpy as np
 import jax.numpy as jnp
@@ -15,6 +16,14 @@ from luxjax.vision.spans import plan_prefill_chunks
 
 PREFILL_CHUNK = 512
 CACHE_ROUND = 256
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
 
 
 def cache_length(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
@@ -46,8 +55,6 @@ def prompt_logits(backend: Backend, input_ids: list[int], image_inputs, *, chunk
 
 def generate(backend: Backend, prompt: Prompt, *, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
              chunk: int = PREFILL_CHUNK):
-    from luxjax.api import Generation
-
     caches = backend.init_cache(1, cache_length(prompt.num_tokens, max_tokens, backend.max_context))
     logits, caches = prefill_prompt(backend, caches, 0, prompt, chunk=chunk)
     params = SamplingParams(temperature=max(temperature, 0.0))

@@ -6,11 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from luxjax.ops.linear import linear
-
-
-def _value(param):
-    return None if param is None else param.get_value()
+from luxjax.ops.linear import embedding_lookup, linear
 
 
 class Linear(nnx.Module):
@@ -32,8 +28,6 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(weight)
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
-        from luxjax.ops.linear import embedding_lookup
-
         return embedding_lookup(self.weight.get_value(), ids, dtype)
 
 

@@ -25,7 +25,7 @@ def _choice() -> str:
 @functools.cache
 def _pallas_importable() -> bool:
     try:
-        from jax.experimental.pallas import triton  # noqa: F401
+        from jax.experimental.pallas import triton  # noqa: F401  (importable is the question)
     except ImportError:
         return False
     return True

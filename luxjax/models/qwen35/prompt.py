@@ -7,6 +7,7 @@ from typing import Sequence
 from luxjax.contract import Prompt
 from luxjax.errors import RequestError
 from luxjax.models.qwen35.positions import mrope_positions
+from luxjax.text.chat_template import render_chat
 from luxjax.vision.messages import ChatMessage, ImagePart
 from luxjax.vision.spans import image_spans
 from luxjax.vision.types import ImageInputs
@@ -48,8 +49,6 @@ def expand_image_pads(ids: list[int], pad_id: int, counts: Sequence[int]) -> lis
 
 def build_prompt(tokenizer, template: str, parsed, original, image_inputs: ImageInputs | None, *, pad_id: int,
                  merge: int, add_generation_prompt: bool = True) -> Prompt:
-    from luxjax.text.chat_template import render_chat
-
     text = render_chat(template, template_messages(parsed, original), add_generation_prompt=add_generation_prompt,
                        **tokenizer.template_variables())
     ids = tokenizer.encode(text)

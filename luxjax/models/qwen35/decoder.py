@@ -42,14 +42,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(w("post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp = MLP(_Scoped(w, "mlp."))
 
-    def __call__(self, x, cache, *, cos, sin, start, valid, chunked):
-        h = self.input_layernorm(x)
+    def __call__(self, x, cache, *, cos, sin, start, valid, chunked, dtype):
+        """x: the float32 residual stream; the mixer and MLP compute in `dtype`."""
+        h = self.input_layernorm(x).astype(dtype)
         if self.is_attention:
             h, cache = self.mixer(h, cos, sin, cache, start, valid)
         else:
             h, cache = self.mixer(h, cache, valid, chunked=chunked)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + h.astype(jnp.float32)
+        return x + self.mlp(self.post_attention_layernorm(x).astype(dtype)).astype(jnp.float32), cache
 
 
 class _Scoped:
@@ -125,16 +126,19 @@ class TextDecoder(nnx.Module):
         return self.embed_tokens(ids, dtype)
 
     def __call__(self, x, positions, start, valid, caches, *, chunked: bool):
-        """x [B, T, hidden] input embeddings; positions int32 [3, B, T]; start [B] cached tokens per sequence;
-        valid [B, T] bool prefix mask. Returns (final-norm hidden [B, T, hidden], new caches)."""
+        """x [B, T, hidden] input embeddings in the compute dtype; positions int32 [3, B, T]; start [B] cached tokens
+        per sequence; valid [B, T] bool prefix mask. Returns (final-norm hidden [B, T, hidden], new caches).
+        The residual stream stays float32 between layers (bf16 mode rounds only inside the blocks)."""
         inv_freq = inverse_frequencies(self.cfg.rotary_dim, self.cfg.rope_theta)
         axes = interleaved_mrope_axes(self.cfg.rotary_dim, self.cfg.mrope_section)
         cos, sin = mrope_cos_sin(positions, inv_freq, axes)
         caches = list(caches)
+        dtype = x.dtype
+        x = x.astype(jnp.float32)
         for s, segment in enumerate(self.stacks):
             x, caches[s] = self._scan_segment(segment, x, caches[s], cos=cos, sin=sin, start=start, valid=valid,
-                                              chunked=chunked)
-        return self.norm(x), caches
+                                              chunked=chunked, dtype=dtype)
+        return self.norm(x).astype(dtype), caches
 
     @staticmethod
     def _scan_segment(segment, x, caches, **kw):

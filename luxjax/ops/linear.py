@@ -21,14 +21,14 @@ from pallas_kernels.quant_decode import KERNEL_FORMATS
 _PALLAS_MAX_ROWS = 16  # the streaming GEMV regime of quant_matmul
 
 
-def _xla_linear(x: jax.Array, w: Weight) -> jax.Array:
-    """Weights dequantized (or cast) to x's dtype, float32 accumulation, result in x's dtype."""
+def _xla_linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
+    """Weights dequantized (or cast) to x's dtype, float32 accumulation, result in out_dtype (default x's)."""
     w = dequantize(w, x.dtype)
     # float32 mode means full float32 products: GPUs would otherwise round inputs to TF32.
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                         precision=precision)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
 def _pallas_linear(x: jax.Array, w: QuantizedTensor) -> jax.Array:
@@ -44,13 +44,17 @@ def _kernel_applies(x: jax.Array, w: Weight) -> bool:
             and x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) and backend.use_pallas())
 
 
-def _impl(x: jax.Array, w: Weight) -> jax.Array:
-    return _pallas_linear(x, w) if _kernel_applies(x, w) else _xla_linear(x, w)
+def _impl(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
+    if _kernel_applies(x, w):
+        y = _pallas_linear(x, w)
+        return y if out_dtype is None else y.astype(out_dtype)
+    return _xla_linear(x, w, out_dtype)
 
 
-def linear(x: jax.Array, w: Weight) -> jax.Array:
-    """x [..., in] @ W.T for W [out, in] (jnp array or QuantizedTensor) -> [..., out] in x.dtype."""
-    return _impl(x, w)
+def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
+    """x [..., in] @ W.T for W [out, in] (jnp array or QuantizedTensor) -> [..., out] in out_dtype (default: x's;
+    float32 keeps the accumulator unrounded, e.g. for logits)."""
+    return _impl(x, w, out_dtype)
 
 
 def embedding_lookup(w: Weight, ids: jax.Array, dtype) -> jax.Array:

@@ -156,7 +156,7 @@ class TextDecoder(nnx.Module):
         return jax.lax.scan(body, x, ([state for _, state in split], caches))
 
     def logits(self, h):
-        """float32 logits; a tied head reuses the embedding table."""
-        if self.lm_head is None:
-            return linear(h, self.embed_tokens.weight.get_value()).astype(jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+        """float32 logits straight from the float32 accumulator (bf16-rounded logits would tie near the top);
+        a tied head reuses the embedding table."""
+        head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        return linear(h, head.get_value(), out_dtype=jnp.float32)

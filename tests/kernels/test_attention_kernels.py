@@ -1,7 +1,6 @@
 """Decode, prefill and vision attention kernels vs the XLA attention ops."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -68,8 +68,7 @@ def _read_gguf(path, mmproj, tokenizer, progress: bool) -> tuple[dict, dict | No
 
     decoder = load_qwen35_gguf(path, progress=progress)
     tensors = dict(decoder.tensors)
-    raw = {"text_config": decoder.text_config, **decoder.extra_config} if hasattr(decoder, "extra_config") else {
-        "text_config": decoder.text_config}
+    raw = {"text_config": decoder.text_config}
     preprocessor = None
     if mmproj is not None:
         projector = load_qwen35_mmproj(mmproj, progress=progress)

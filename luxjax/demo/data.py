@@ -161,6 +161,44 @@ def make_example(rng: random.Random, kind: str | None = None) -> Example:
     raise ValueError(f"unknown question type {kind!r}")
 
 
+def scene_questions(scene: Scene) -> list[tuple[str, str, str]]:
+    """Every (kind, question, answer) of the single-image types that the spec allows for this scene."""
+    kinds = [s.kind for s in scene.shapes]
+    pairs = [(s.kind, s.color) for s in scene.shapes]
+    out = []
+    if len(scene.shapes) == 1:
+        out.append(("shape", "What shape is in the image?", kinds[0]))
+    for shape in SHAPES:
+        count = kinds.count(shape)
+        if count == 1:
+            out.append(("color", f"What color is the {shape}?", scene.shapes[kinds.index(shape)].color))
+        if 1 <= count <= 5:
+            out.append(("count_shape", f"How many {shape}s are there?", str(count)))
+    if 1 <= len(scene.shapes) <= 5:
+        out.append(("count_all", "How many shapes are there?", str(len(scene.shapes))))
+    for obj in scene.shapes:
+        if pairs.count((obj.kind, obj.color)) == 1:
+            where = obj.quadrant(scene.width, scene.height)
+            out.append(("where", f"Where is the {obj.color} {obj.kind}?", where))
+    return out
+
+
+def pair_questions(first: Scene, second: Scene) -> list[tuple[str, str, str]]:
+    """Every "which" question the spec allows for two images: objects present in exactly one of them."""
+    a = {(s.kind, s.color) for s in first.shapes}
+    b = {(s.kind, s.color) for s in second.shapes}
+    question = "Which image has a {} {}, the first or the second?"
+    return [("which", question.format(color, shape), "first" if (shape, color) in a else "second")
+            for shape, color in sorted(a ^ b)]
+
+
+def follow_up_questions(ex: Example) -> list[tuple[str, str, str]]:
+    """Other questions with exact answers about the same image(s), excluding the example's own question. Training
+    asks a few of them as later turns of the conversation: more supervision per rendered image."""
+    qs = scene_questions(ex.scenes[0]) if len(ex.scenes) == 1 else pair_questions(*ex.scenes)
+    return [q for q in qs if q[1] != ex.question]
+
+
 def examples(seed: int, n: int, kinds=QUESTION_TYPES):
     """`n` examples with question types cycling through `kinds`, then their images: [(Example, [PIL images])]."""
     rng = random.Random(seed)

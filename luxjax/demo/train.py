@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import time
@@ -16,16 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from luxjax.demo.batches import BatchMaker
+from luxjax.demo.batches import BatchMaker, parse_mix
 from luxjax.demo.model_init import init_params, model_config
 from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
 
 _MAKER = None
 
 
-def _init_worker(meta: dict, cfg: dict):
+def _init_worker(meta: dict, cfg: dict, follow_ups: int, mix: dict):
     global _MAKER
-    _MAKER = BatchMaker(tokenizer_from_metadata(meta), cfg, meta["tokenizer.chat_template"])
+    _MAKER = BatchMaker(tokenizer_from_metadata(meta), cfg, meta["tokenizer.chat_template"], follow_ups, mix)
 
 
 def _make_batch(args):
@@ -81,8 +82,13 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="0: in-process")
-    p.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds of training (0 = none)")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="stop after this many seconds of training, counted from the compiled first step (0 = none)")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    p.add_argument("--follow-ups", type=int, default=3, help="at most this many extra question turns per image")
+    p.add_argument("--question-mix", type=parse_mix, default="hard",
+                   help='first-turn question types: "hard" (the default weights), "uniform" or "which=2,where=1,..."')
+    p.add_argument("--resume", help="start from the parameters saved in this folder (fresh optimizer state)")
     p.add_argument("--out", default="out/demo")
     args = p.parse_args(argv)
     started = time.time()
@@ -90,44 +96,58 @@ def main(argv=None):
     tok = tokenizer_from_metadata(meta)
     cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
     params = init_params(cfg, args.seed)
-    jobs = ((1_000_003 * (args.seed + 1) + step, args.batch) for step in range(args.steps))
+    if args.resume:
+        saved, saved_cfg, _ = load_trained(args.resume)
+        if saved_cfg != cfg or saved.keys() != params.keys():
+            raise SystemExit(f"--resume {args.resume}: saved with another model shape or tokenizer")
+        params = saved
+    first_job = 1_000_003 * (args.seed + 1) + (10_000_019 if args.resume else 0)  # a resumed run sees new data
+    jobs = ((first_job + step, args.batch) for step in range(args.steps))
     if args.workers > 0:
-        pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (meta, cfg))
+        pool = mp.get_context("spawn").Pool(args.workers, _init_worker, (meta, cfg, args.follow_ups, args.question_mix))
         batches = pool.imap(_make_batch, jobs, chunksize=1)
     else:
-        pool, _ = None, _init_worker(meta, cfg)
+        pool, _ = None, _init_worker(meta, cfg, args.follow_ups, args.question_mix)
         batches = map(_make_batch, jobs)
 
     import jax
     import optax
     from tqdm import tqdm
 
-    warmup = min(300, args.steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.03)
+    warmup = min(100 if args.resume else 300, args.steps // 10)
     decay_mask = jax.tree.map(lambda a: a.ndim >= 2, params)
-    opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(schedule, b2=0.98, weight_decay=0.01, mask=decay_mask))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(
+        learning_rate=args.lr, b2=0.98, weight_decay=0.01, mask=decay_mask))
     params = jax.device_put(params)
     opt_state = opt.init(params)
     grad_fn = jax.value_and_grad(make_loss(cfg), has_aux=True)
 
     @jax.jit
-    def step(params, opt_state, batch):
+    def step(params, opt_state, batch, lr):
         (loss, acc), grads = grad_fn(params, batch)
+        opt_state[1].hyperparams["learning_rate"] = lr
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, acc
 
     print(f"devices {jax.devices()}; vocab {cfg['text_config']['vocab_size']}; "
           f"{sum(a.size for a in params.values()) / 1e6:.2f}M parameters", flush=True)
-    t0, ema, done = time.time(), None, 0
+    t0, ema, done, waited, compile_seconds = time.time(), None, 0, 0.0, 0.0
     bar = tqdm(total=args.steps, desc="train", mininterval=5)
-    for i, b in enumerate(batches):
-        params, opt_state, loss, acc = step(params, opt_state, vars(b))
+    for i in range(args.steps):
+        asked = time.time()
+        b = next(batches)
+        waited += time.time() - asked
+        elapsed = time.time() - t0
+        lr = learning_rate(args.lr, i, warmup, max(i / args.steps, elapsed / args.time_limit if args.time_limit else 0))
+        params, opt_state, loss, acc = step(params, opt_state, vars(b), np.float32(lr))
+        if i == 0:  # the clock of --time-limit starts once the step is compiled
+            jax.block_until_ready(loss)
+            compile_seconds, t0 = time.time() - t0, time.time()
         done = i + 1
         if i % 25 == 0 or done == args.steps:
             loss, acc = float(loss), float(acc)
             ema = loss if ema is None else 0.8 * ema + 0.2 * loss
-            bar.set_postfix(loss=f"{loss:.4f}", ema=f"{ema:.4f}", acc=f"{acc:.3f}")
+            bar.set_postfix(loss=f"{loss:.4f}", ema=f"{ema:.4f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
         bar.update(1)
         if args.save_every and done % args.save_every == 0:
             save(args.out, params, cfg, meta)
@@ -140,9 +160,18 @@ def main(argv=None):
     out = save(args.out, params, cfg, meta)
     summary = {"steps": done, "batch": args.batch, "train_seconds": round(time.time() - t0, 1),
                "total_seconds": round(time.time() - started, 1), "final_loss": final_loss,
-               "final_loss_ema": ema, "device": str(jax.devices()[0])}
+               "final_loss_ema": ema, "seconds_waiting_for_data": round(waited, 1),
+               "compile_seconds": round(compile_seconds, 1), "device": str(jax.devices()[0])}
     (out / "summary.json").write_text(json.dumps(summary))
     print("SUMMARY", json.dumps(summary), flush=True)
+
+
+def learning_rate(peak: float, step: int, warmup: int, progress: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 3% of `peak` as `progress` goes 0 -> 1 (the larger of
+    the step fraction and the time fraction, so a run cut by --time-limit still ends annealed)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
 def save(folder, params, cfg: dict, meta: dict) -> Path:

@@ -37,6 +37,23 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 2), state
 
 
+def unit_lower_solve(system, rhs):
+    """X with system @ X = rhs for a unit lower-triangular `system` [..., C, C] (its diagonal is not read).
+
+    On the CPU this is forward substitution in plain XLA ops: XLA:CPU (jaxlib 0.10.2, 2 cores) deadlocks now and
+    then when the triangular-solve custom call runs in the backward pass inside the layer scan, which stalled
+    training on CPU. Elsewhere it is lax's triangular solve."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    strictly_lower = jnp.tril(system, -1)
+
+    def row(i, x):
+        xi = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2) - _mm(jax.lax.dynamic_index_in_dim(strictly_lower, i, -2), x)
+        return jax.lax.dynamic_update_index_in_dim(x, xi, i, axis=-2)
+
+    return jax.lax.fori_loop(1, system.shape[-1], row, rhs)
+
+
 def chunk_inputs(q, k, v, g, beta, chunk: int = 64):
     """The parallel part of the chunked (UT-transform) form: everything except the scan over chunks.
     Returns (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay), each [B, H, n, ...]."""
@@ -66,7 +83,7 @@ def chunk_inputs(q, k, v, g, beta, chunk: int = 64):
     # (I + strictly_lower(ut)) X = rhs; the reference ignores the diagonal (unitriangular solve).
     system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), dtype=bool), -1), ut_system, 0.0) + jnp.eye(chunk)
     rhs = jnp.concatenate([v_beta, decayed_k_beta], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_solve(system, rhs)
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
 
     q_decayed = q * jnp.exp(cum)[..., None]

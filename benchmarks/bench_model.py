@@ -2,9 +2,13 @@
 same weights and device.
 
     python benchmarks/bench_model.py --config qwen35-27b --dtype bfloat16 --json out.json
+    python benchmarks/bench_model.py --config qwen35-27b --weights IQ4_XS --json out.json
 
 Both run in one process: transformers' model is initialised at random on the device, measured, and its tensors are
-handed to luxjax through DLPack (same values). The decode bound is weight bytes / 4.1 TB/s per step."""
+handed to luxjax through DLPack (same values). With --weights IQ4_XS or Q4_K_M, luxjax's decoder weights are then
+replaced by random packed blocks of llama.cpp's type plan for that scheme (benchmarks/quant_plan.py), while
+transformers stays in bf16 (the peer the issue compares against). The decode bound is decoder weight bytes (as
+stored on the device) / 4.1 TB/s per step."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +26,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.model_configs import CONFIGS  # noqa: E402
+from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
 
 HBM_BYTES_PER_S = 4.1e12
 
@@ -49,6 +54,12 @@ def build_torch_model(cfg_dict: dict, dtype: str, device: str):
     return model.eval()
 
 
+def image_prompt_ids(ids: list[int], pad_id: int, image_tokens: int, prompt_tokens: int) -> list[int]:
+    """`prompt_tokens` ids: half the text, the image's pad run, the other half."""
+    text = max(prompt_tokens - image_tokens, 2)
+    return ids[: text // 2] + [pad_id] * image_tokens + ids[text // 2 : text]
+
+
 def measure_transformers(model, prompt_tokens, decode_steps, batches, image_grid, device):
     import torch
 
@@ -68,11 +79,18 @@ def measure_transformers(model, prompt_tokens, decode_steps, batches, image_grid
             t1 = timed(lambda: sync(model.generate(batch, max_new_tokens=1, min_new_tokens=1, **gen)), repeats=1)
             tn = timed(lambda: sync(model.generate(batch, max_new_tokens=decode_steps + 1,
                                                    min_new_tokens=decode_steps + 1, **gen)), repeats=1)
-            results[f"decode_b{b}_tok_s"] = b * decode_steps / max(tn - t1, 1e-9)
+            # too few steps to time apart from the first token reads as nan, not as a huge rate
+            results[f"decode_b{b}_tok_s"] = b * decode_steps / (tn - t1) if tn > t1 else float("nan")
         pixels, grid = image_grid
         pv = torch.from_numpy(pixels).to(device=device, dtype=model.dtype)
         g = torch.from_numpy(grid).to(device)
         results["vision_s"] = timed(lambda: sync(model.model.visual(pv, grid_thw=g)), repeats=3)
+        image_ids = image_prompt_ids(ids[0].tolist(), model.config.image_token_id, int(grid[0].prod() // 4),
+                                     prompt_tokens)
+        image_ids = torch.tensor([image_ids], device=device)
+        types = (image_ids == model.config.image_token_id).long()  # 1 marks image tokens (M-RoPE)
+        results["ttft_image_s"] = timed(lambda: sync(model(input_ids=image_ids, pixel_values=pv, image_grid_thw=g,
+                                                           mm_token_type_ids=types, use_cache=True)), repeats=2)
     return results
 
 
@@ -131,6 +149,17 @@ def measure_luxjax(backend, prompt_tokens, decode_steps, batches, image_grid, vo
         backend.encode_images(inputs).block_until_ready()
         results["vision_compile_s"] = time.perf_counter() - t
         results["vision_s"] = timed(lambda: backend.encode_images(inputs).block_until_ready())
+        image_prompt = backend.prompt_from_ids(
+            image_prompt_ids(ids, backend.pad_id, inputs.num_tokens[0], prompt_tokens), inputs)
+        state["caches"] = backend.init_cache(1, max_len)
+
+        def first_token():  # the server's path: encode the image, prefill the whole prompt with its rows
+            rows = backend.encode_images(inputs)
+            logits, state["caches"] = backend.prefill(state["caches"], 0, image_prompt, rows, 0,
+                                                      image_prompt.num_tokens)
+            logits.block_until_ready()
+
+        results["ttft_image_s"] = timed(first_token)
     return results
 
 
@@ -139,8 +168,10 @@ def main():
     ap.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--prompt-tokens", type=int, default=1012)
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--decode-steps", type=int, default=256, help="decode steps timed per batch size")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", *SCHEMES],
+                    help="luxjax's decoder weights: the transformers model's (bf16) or random packed blocks")
     ap.add_argument("--image-tokens", type=int, default=975)
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--json", help="write results here")
@@ -161,8 +192,11 @@ def main():
     from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
 
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
-    weight_bytes = sum(int(np.prod(p.shape)) * p.element_size() for n, p in torch_model.state_dict().items()
-                       if not n.startswith("model.visual."))
+    if args.weights != "bf16":
+        tensors = quantize_at_random(tensors, args.weights, cfg_dict["text_config"]["num_hidden_layers"],
+                                     jax.numpy.dtype(args.dtype), progress=lambda names: tqdm(
+                                         names, desc=f"random {args.weights} blocks"))
+    weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if not n.startswith("model.visual."))
     processor = Qwen35ImageProcessor.from_preprocessor_config({
         "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
         "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3})
@@ -174,24 +208,28 @@ def main():
                           cfg_dict["text_config"]["vocab_size"])
 
     bound = HBM_BYTES_PER_S / weight_bytes
-    report = {"config": args.config, "dtype": args.dtype, "device": str(jax.devices()[0].device_kind),
-              "jax": jax.__version__, "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps,
+    report = {"config": args.config, "dtype": args.dtype, "weights": args.weights,
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps,
               "image_tokens": args.image_tokens, "weight_bytes": weight_bytes, "decode_bound_tok_s": bound,
               "torch_init_s": init_s, "luxjax_build_s": build_s, "luxjax": ours, "transformers": peer}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     rows = [("prefill tokens/s", args.prompt_tokens / ours["prefill_s"],
              args.prompt_tokens / peer["prefill_s"] if peer else None)]
-    rows += [(f"decode tokens/s, batch {b}", ours[f"decode_b{b}_tok_s"], peer.get(f"decode_b{b}_tok_s")) for b in batches]
+    rows += [(f"decode tokens/s, batch {b}", ours[f"decode_b{b}_tok_s"], peer.get(f"decode_b{b}_tok_s"))
+             for b in batches]
     if "vision_s" in ours:
         rows.append((f"vision tower ms ({args.image_tokens} tokens)", 1e3 * ours["vision_s"],
                      1e3 * peer["vision_s"] if peer else None))
-    print(f"\n{args.config} {args.dtype} on {report['device']}; decode bound (batch 1) {bound:.1f} tokens/s; "
-          f"prefill compile {ours['prefill_compile_s']:.1f}s")
+        rows.append((f"first token ms ({args.prompt_tokens}-token prompt with the image)",
+                     1e3 * ours["ttft_image_s"], 1e3 * peer["ttft_image_s"] if peer else None))
+    print(f"\n{args.config} {args.weights} weights, {args.dtype} compute on {report['device']}; "
+          f"decode bound (batch 1) {bound:.1f} tokens/s; prefill compile {ours['prefill_compile_s']:.1f}s")
     print("| metric | luxjax | transformers | ratio |\n|---|---|---|---|")
     for name, a, b in rows:
         ratio = f"{a / b:.2f}" if b else "-"
-        if name.startswith("vision"):
+        if name.startswith(("vision", "first token")):  # times: the peer's over ours
             ratio = f"{b / a:.2f}" if b else "-"
         print(f"| {name} | {a:.1f} | {b:.1f} | {ratio} |" if b else f"| {name} | {a:.1f} | - | - |")
 

@@ -19,7 +19,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from luxjax.checkpoint.quant_formats import FORMATS  # noqa: E402
+from benchmarks.quant_plan import random_packed  # noqa: E402
 from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
 from luxjax.ops.linear import _xla_linear  # noqa: E402
 from pallas_kernels.quant_matmul import BlockSizes, quant_matmul  # noqa: E402
@@ -33,20 +33,7 @@ ROTATE_BYTES = 256 * 2**20  # weights per timed call, well past the 60 MB L2
 
 
 def random_weight(key, ggml_type, out, k) -> QuantizedTensor:
-    """Random planes made on device; f16 scale planes get modest finite values."""
-    block, _ = GGML_QUANT_SIZES[ggml_type]
-    planes = {}
-    for f in FORMATS[ggml_type].fields:
-        key, sub = jax.random.split(key)
-        shape = (out, k // block, f.nbytes // np.dtype(f.dtype).itemsize)
-        if f.name in ("d", "dmin"):
-            planes[f.name] = jax.lax.bitcast_convert_type(
-                (jax.random.uniform(sub, shape, jnp.float32, -0.05, 0.05)).astype(jnp.float16), jnp.uint16)
-        else:
-            dt = np.dtype(f.dtype)
-            bits = jax.random.bits(sub, shape, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dt.itemsize])
-            planes[f.name] = jax.lax.bitcast_convert_type(bits, dt)
-    return QuantizedTensor(planes, ggml_type, (out, k), jnp.dtype(jnp.float32))
+    return random_packed((out, k), ggml_type, key, jnp.float32)
 
 
 def median_seconds(fn, *args) -> float:

@@ -37,6 +37,7 @@ CONFIGS = {
     "small": _shrunk(8, 1024, 3072, 4),
     "tiny": {
         **_shrunk(4, 256, 512, 2),
+        "image_token_id": 4056, "video_token_id": 4057, "vision_start_token_id": 4053, "vision_end_token_id": 4054,
         "text_config": {**_shrunk(4, 256, 512, 2)["text_config"], "vocab_size": 4096, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
                         "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64},

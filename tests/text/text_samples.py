@@ -46,5 +46,9 @@ def _piece(rng: random.Random, with_special: bool) -> str:
 
 
 def random_text(rng: random.Random, with_special: bool = True) -> str:
-    """One string of 1..40 random pieces (special-token strings included when `with_special`)."""
-    return "".join(_piece(rng, with_special) for _ in range(rng.randint(1, 40)))
+    """One string of 1..40 random pieces (special-token strings included when `with_special`; otherwise drawn again
+    until no special-token string appears, e.g. from the pieces "<|im_start" and "|>" side by side)."""
+    while True:
+        text = "".join(_piece(rng, with_special) for _ in range(rng.randint(1, 40)))
+        if with_special or not any(token in text for token in SPECIAL_TOKENS):
+            return text

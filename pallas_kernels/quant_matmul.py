@@ -88,10 +88,11 @@ def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
-def quant_matmul(x: jax.Array, w: QuantizedTensor, *, block_sizes: BlockSizes | None = None,
+@functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
+def quant_matmul(x: jax.Array, w: QuantizedTensor, *, block_sizes: BlockSizes | None = None, out_dtype=None,
                  interpret: bool = False, debug: bool = False) -> jax.Array:
-    """x [M, in] @ W.T for W [out, in] packed -> [M, out] in x.dtype (float32 accumulation)."""
+    """x [M, in] @ W.T for W [out, in] packed -> [M, out] in out_dtype (default x.dtype), written straight from
+    the float32 accumulator."""
     fmt = KERNEL_FORMATS.get(w.ggml_type)
     if fmt is None:
         raise NotImplementedError(f"no fused kernel for {w.ggml_type.name} (have {[t.name for t in KERNEL_FORMATS]})")
@@ -120,7 +121,7 @@ def quant_matmul(x: jax.Array, w: QuantizedTensor, *, block_sizes: BlockSizes | 
         dot_dtype=dot_dtype, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),
         grid=(mp // bs.block_m, np_ // bs.block_n),
         in_specs=[*(plane_spec(a) for a in planes.values()),
                   pl.BlockSpec((bs.block_m, *xp.shape[1:]), lambda i, j: (i,) + (0,) * (xp.ndim - 1))],
@@ -131,7 +132,7 @@ def quant_matmul(x: jax.Array, w: QuantizedTensor, *, block_sizes: BlockSizes | 
     return y[:m, :n]
 
 
-def quant_matmul_reference(x: jax.Array, w: QuantizedTensor) -> jax.Array:
-    """Dequantize to float32, exact float32 matmul, result in x.dtype."""
+def quant_matmul_reference(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:
+    """Dequantize to float32, exact float32 matmul, result in out_dtype (default x.dtype)."""
     y = jnp.dot(x.astype(jnp.float32), dequantize(w, jnp.float32).T, precision=lax.Precision.HIGHEST)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)

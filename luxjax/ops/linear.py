@@ -31,10 +31,10 @@ def _xla_linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
     return y.astype(out_dtype or x.dtype)
 
 
-def _pallas_linear(x: jax.Array, w: QuantizedTensor) -> jax.Array:
+def _pallas_linear(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:
     from pallas_kernels.quant_matmul import quant_matmul  # Pallas imports only once Pallas is chosen
 
-    y = quant_matmul(x.reshape(-1, x.shape[-1]), w, interpret=backend.interpret())
+    y = quant_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype=out_dtype, interpret=backend.interpret())
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -45,10 +45,7 @@ def _kernel_applies(x: jax.Array, w: Weight) -> bool:
 
 
 def _impl(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
-    if _kernel_applies(x, w):
-        y = _pallas_linear(x, w)
-        return y if out_dtype is None else y.astype(out_dtype)
-    return _xla_linear(x, w, out_dtype)
+    return (_pallas_linear if _kernel_applies(x, w) else _xla_linear)(x, w, out_dtype)
 
 
 def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:

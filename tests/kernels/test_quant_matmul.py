@@ -73,6 +73,20 @@ def test_explicit_block_sizes_pad_rows_and_m(ggml_type, seed):
     check(quant_matmul_reference(x, w), x, dense, jnp.float32, f"{ggml_type.name} reference seed {seed}")
 
 
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_float32_output_is_the_unrounded_accumulator(m, seed):
+    """out_dtype=float32 with bf16 x: the same accumulator the bf16 output is rounded from, left unrounded."""
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, T.Q6_K, 40, 512)
+    x = jnp.asarray(rng.standard_normal((m, 512)), jnp.bfloat16)
+    wide = quant_matmul(x, w, out_dtype=jnp.float32, interpret=backend.interpret())
+    narrow = quant_matmul(x, w, interpret=backend.interpret())
+    assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(wide.astype(jnp.bfloat16), np.float32), np.asarray(narrow, np.float32))
+    assert np.any(np.asarray(wide) != np.asarray(wide.astype(jnp.bfloat16), np.float32)), "output was rounded"
+    check(wide, x, dense, jnp.bfloat16, f"Q6_K x[{m},512] out float32 seed {seed}")
+
+
 def test_linear_dispatches_to_kernel(monkeypatch, seed):
     """linear() takes the kernel for decode-sized x when Pallas is chosen (leading axes kept), XLA for prefill."""
     rng = np.random.default_rng(seed)
@@ -86,5 +100,7 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     assert calls, "linear() did not take the Pallas kernel"
     assert got.shape == (2, 3, 33)
     check(got.reshape(6, 33), x.reshape(6, 512), dense, jnp.float32, f"linear Q6_K seed {seed}")
+    wide = linear_mod.linear(x.astype(jnp.bfloat16), w, out_dtype=jnp.float32)
+    assert len(calls) == 2 and wide.dtype == jnp.float32, "out_dtype must reach the kernel"
     linear_mod.linear(jnp.ones((linear_mod._PALLAS_MAX_ROWS + 1, 512), jnp.float32), w)
-    assert len(calls) == 1, "prefill-sized x should take the XLA path"
+    assert len(calls) == 2, "prefill-sized x should take the XLA path"

@@ -76,23 +76,19 @@ def write_decoder(path, params: dict, cfg: dict, tok_meta: dict) -> None:
     w = GGUFWriter(str(path), "qwen35")
     w.add_name("luxjax demo qwen35")
     a = "qwen35."
-    w.add_uint32(a + "block_count", t["num_hidden_layers"])
-    w.add_uint32(a + "context_length", t["max_position_embeddings"])
-    w.add_uint32(a + "embedding_length", t["hidden_size"])
-    w.add_uint32(a + "feed_forward_length", t["intermediate_size"])
-    w.add_uint32(a + "attention.head_count", t["num_attention_heads"])
-    w.add_uint32(a + "attention.head_count_kv", t["num_key_value_heads"])
-    w.add_uint32(a + "attention.key_length", t["head_dim"])
-    w.add_uint32(a + "attention.value_length", t["head_dim"])
+    _add_uint32s(w, a, {
+        "block_count": t["num_hidden_layers"], "context_length": t["max_position_embeddings"],
+        "embedding_length": t["hidden_size"], "feed_forward_length": t["intermediate_size"],
+        "attention.head_count": t["num_attention_heads"], "attention.head_count_kv": t["num_key_value_heads"],
+        "attention.key_length": t["head_dim"], "attention.value_length": t["head_dim"]})
     w.add_float32(a + "attention.layer_norm_rms_epsilon", t["rms_norm_eps"])
     w.add_float32(a + "rope.freq_base", rope["rope_theta"])
     w.add_uint32(a + "rope.dimension_count", int(t["head_dim"] * rope["partial_rotary_factor"]))
     w.add_array(a + "rope.dimension_sections", list(rope["mrope_section"]) + [0])
-    w.add_uint32(a + "ssm.conv_kernel", t["linear_conv_kernel_dim"])
-    w.add_uint32(a + "ssm.state_size", t["linear_key_head_dim"])
-    w.add_uint32(a + "ssm.group_count", t["linear_num_key_heads"])
-    w.add_uint32(a + "ssm.time_step_rank", t["linear_num_value_heads"])
-    w.add_uint32(a + "ssm.inner_size", t["linear_num_value_heads"] * t["linear_value_head_dim"])
+    _add_uint32s(w, a + "ssm.", {
+        "conv_kernel": t["linear_conv_kernel_dim"], "state_size": t["linear_key_head_dim"],
+        "group_count": t["linear_num_key_heads"], "time_step_rank": t["linear_num_value_heads"],
+        "inner_size": t["linear_num_value_heads"] * t["linear_value_head_dim"]})
     interval = t["layer_types"].index("full_attention") + 1
     assert all((k == "full_attention") == ((i + 1) % interval == 0) for i, k in enumerate(t["layer_types"]))
     w.add_uint32(a + "full_attention_interval", interval)
@@ -137,24 +133,25 @@ def write_mmproj(path, params: dict, cfg: dict) -> None:
     w.add_bool("clip.has_vision_encoder", True)
     w.add_string("clip.projector_type", "qwen3vl_merger")
     c = "clip.vision."
-    w.add_uint32(c + "image_size", side * v["patch_size"])
-    w.add_uint32(c + "patch_size", v["patch_size"])
-    w.add_uint32(c + "embedding_length", v["hidden_size"])
-    w.add_uint32(c + "feed_forward_length", v["intermediate_size"])
-    w.add_uint32(c + "block_count", v["depth"])
-    w.add_uint32(c + "attention.head_count", v["num_heads"])
+    _add_uint32s(w, c, {
+        "image_size": side * v["patch_size"], "patch_size": v["patch_size"], "embedding_length": v["hidden_size"],
+        "feed_forward_length": v["intermediate_size"], "block_count": v["depth"],
+        "attention.head_count": v["num_heads"]})
     w.add_float32(c + "attention.layer_norm_epsilon", v["layer_norm_eps"])
-    w.add_uint32(c + "projection_dim", v["out_hidden_size"])
-    w.add_uint32(c + "spatial_merge_size", v["spatial_merge_size"])
+    _add_uint32s(w, c, {"projection_dim": v["out_hidden_size"], "spatial_merge_size": v["spatial_merge_size"]})
     w.add_array(c + "image_mean", list(IMAGE_MEAN))
     w.add_array(c + "image_std", list(IMAGE_STD))
     w.add_array(c + "is_deepstack_layers", [False] * v["depth"])
-    w.add_uint32(c + "image_min_pixels", MIN_PIXELS)
-    w.add_uint32(c + "image_max_pixels", MAX_PIXELS)
+    _add_uint32s(w, c, {"image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS})
     w.add_bool("clip.use_gelu", True)
     for name, value in mmproj_tensors(params, v).items():
         w.add_tensor(name, value)
     _finish(w)
+
+
+def _add_uint32s(w: GGUFWriter, prefix: str, values: dict[str, int]) -> None:
+    for key, value in values.items():
+        w.add_uint32(prefix + key, value)
 
 
 def _finish(w: GGUFWriter) -> None:

@@ -18,7 +18,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import NEG, dot
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     block_k: int = 64
@@ -31,7 +30,6 @@ class BlockSizes:
         block_k = 64 if head_dim <= 128 else 32
         splits = max(1, min(-(-264 // (batch * kv_heads)), -(-seq_len // (4 * block_k))))
         return cls(block_k=block_k, num_splits=splits)
-
 
 
 def _decode_kernel(

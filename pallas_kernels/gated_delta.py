@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import dot
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -83,8 +85,7 @@ def _chunk_scan_kernel(
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
 
-    def _dot(a, b, dims):
-        return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    _dot = functools.partial(dot, precision=precision)
 
     def step(c, s):  # s [dk, block_v]
         v_new = nv_ref[b, h, c, :, cols] - _dot(kc_ref[b, h, c], s, ((1,), (0,)))  # [C, block_v]

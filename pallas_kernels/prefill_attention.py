@@ -17,7 +17,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import NEG, dot
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     block_m: int = 64
@@ -30,7 +29,6 @@ class BlockSizes:
         if head_dim > 128:  # H200 sweep, 27B shapes, T=1024 after 3072 cached: 483 us vs 857 us for (64, 32)
             return cls(block_m=128, block_k=64, num_warps=8, num_stages=2)
         return cls(block_m=64, block_k=64, num_warps=4, num_stages=3)
-
 
 
 def _prefill_kernel(

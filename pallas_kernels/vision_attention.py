@@ -17,7 +17,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import NEG, dot
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     block_q: int = 64
@@ -30,7 +29,6 @@ class BlockSizes:
         if head_dim > 128:
             return cls(block_q=64, block_k=32, num_warps=8, num_stages=2)
         return cls(block_q=128, block_k=64, num_warps=8, num_stages=3)
-
 
 
 def _vision_kernel(

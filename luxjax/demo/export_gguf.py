@@ -5,7 +5,9 @@
 This is the exact inverse of luxjax's loaders (luxjax/checkpoint/gguf_qwen35.py, gguf_mmproj.py), following
 llama.cpp's converter: +1 folded into zero-centred norms (not ssm_norm), ssm_a = -exp(A_log), conv1d squeezed to
 [C, K], DeltaNet value heads reordered grouped -> tiled, the Conv3d patch embedding split in its two temporal slices.
-Tensors are F32 numpy arrays in numpy order; the gguf writer stores them in ggml (reversed) dimension order.
+Tensors are numpy arrays in numpy order (matrices F16 by default, vectors F32, as llama.cpp's converter stores
+them); the gguf writer stores them in ggml (reversed) dimension order. `load_exported` reads such a pair back
+through the same loaders, as the HF-named float32 parameters training starts from (`train --resume`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,13 @@ from gguf import GGUFWriter
 
 from luxjax.demo.model_init import IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS
 
-DECODER_NAME, MMPROJ_NAME = "luxjax-demo-qwen35-F32.gguf", "mmproj-luxjax-demo-qwen35-F32.gguf"
+FILE_TYPES = {"F16": np.float16, "F32": np.float32}  # what matrices are stored as; vectors are always F32
+
+
+def file_names(file_type: str) -> tuple[str, str]:
+    return f"luxjax-demo-qwen35-{file_type}.gguf", f"mmproj-luxjax-demo-qwen35-{file_type}.gguf"
+
+
 LM, VIS = "model.language_model.", "model.visual."
 
 
@@ -70,7 +78,12 @@ def decoder_tensors(params: dict, t: dict) -> dict[str, np.ndarray]:
     return {k: f32(v) for k, v in out.items()}
 
 
-def write_decoder(path, params: dict, cfg: dict, tok_meta: dict) -> None:
+def stored(tensors: dict[str, np.ndarray], file_type: str) -> dict[str, np.ndarray]:
+    """Matrices (and higher) in the file type, vectors in F32."""
+    return {k: v.astype(FILE_TYPES[file_type]) if v.ndim >= 2 else v for k, v in tensors.items()}
+
+
+def write_decoder(path, params: dict, cfg: dict, tok_meta: dict, file_type: str = "F16") -> None:
     t = cfg["text_config"]
     rope = t["rope_parameters"]
     w = GGUFWriter(str(path), "qwen35")
@@ -101,7 +114,7 @@ def write_decoder(path, params: dict, cfg: dict, tok_meta: dict) -> None:
     w.add_pad_token_id(tok_meta["tokenizer.ggml.padding_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template(tok_meta["tokenizer.chat_template"])
-    for name, value in decoder_tensors(params, t).items():
+    for name, value in stored(decoder_tensors(params, t), file_type).items():
         w.add_tensor(name, value)
     _finish(w)
 
@@ -125,7 +138,7 @@ def mmproj_tensors(params: dict, v: dict) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(x, np.float32) for k, x in out.items()}
 
 
-def write_mmproj(path, params: dict, cfg: dict) -> None:
+def write_mmproj(path, params: dict, cfg: dict, file_type: str = "F16") -> None:
     v = cfg["vision_config"]
     side = int(round(v["num_position_embeddings"] ** 0.5))
     w = GGUFWriter(str(path), "clip")
@@ -144,7 +157,7 @@ def write_mmproj(path, params: dict, cfg: dict) -> None:
     w.add_array(c + "is_deepstack_layers", [False] * v["depth"])
     _add_uint32s(w, c, {"image_min_pixels": MIN_PIXELS, "image_max_pixels": MAX_PIXELS})
     w.add_bool("clip.use_gelu", True)
-    for name, value in mmproj_tensors(params, v).items():
+    for name, value in stored(mmproj_tensors(params, v), file_type).items():
         w.add_tensor(name, value)
     _finish(w)
 
@@ -161,12 +174,64 @@ def _finish(w: GGUFWriter) -> None:
     w.close()
 
 
-def export(params: dict, cfg: dict, tok_meta: dict, dst) -> tuple[Path, Path]:
+def export(params: dict, cfg: dict, tok_meta: dict, dst, file_type: str = "F16") -> tuple[Path, Path]:
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    write_decoder(dst / DECODER_NAME, params, cfg, tok_meta)
-    write_mmproj(dst / MMPROJ_NAME, params, cfg)
-    return dst / DECODER_NAME, dst / MMPROJ_NAME
+    decoder, mmproj = (dst / name for name in file_names(file_type))
+    write_decoder(decoder, params, cfg, tok_meta, file_type)
+    write_mmproj(mmproj, params, cfg, file_type)
+    return decoder, mmproj
+
+
+def load_exported(folder) -> tuple[dict, dict, dict]:
+    """(HF-named float32 params, config dict, GGUF tokenizer metadata) of an exported pair in `folder`, read by
+    luxjax's own GGUF loaders; the config is model_config's for the files' depths, checked tensor by tensor."""
+    from luxjax.checkpoint.gguf_mmproj import load_qwen35_mmproj
+    from luxjax.checkpoint.gguf_qwen35 import load_qwen35_gguf
+    from luxjax.demo.model_init import init_params, model_config
+    from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata
+
+    folder = Path(folder)
+    mmprojs = sorted(folder.glob("mmproj*.gguf"))
+    decoders = sorted(set(folder.glob("*.gguf")) - set(mmprojs))
+    if len(decoders) != 1 or len(mmprojs) != 1:
+        raise ValueError(f"{folder}: expected one decoder GGUF and one mmproj*.gguf")
+    text = load_qwen35_gguf(decoders[0], progress=False, materialize=_float32)
+    vision = load_qwen35_mmproj(mmprojs[0], progress=False, materialize=_float32)
+    meta = {k: v for k, v in text.metadata.items() if k.startswith("tokenizer.")}
+    tok = tokenizer_from_metadata(meta)
+    cfg = model_config(text.text_config["vocab_size"], {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
+                       layers=text.text_config["num_hidden_layers"], vision_depth=vision.vision_config["depth"])
+    params = grouped_value_heads({**text.tensors, **vision.tensors}, cfg["text_config"])
+    expected = {k: v.shape for k, v in init_params(cfg, 0).items()}
+    got = {k: v.shape for k, v in params.items()}
+    if got != expected:
+        raise ValueError(f"{folder}: tensors differ from the demo model's: {sorted(set(got.items()) ^ set(expected.items()))[:4]}")
+    return params, cfg, meta
+
+
+def grouped_value_heads(params: dict, t: dict) -> dict:
+    """The loader keeps DeltaNet value heads in llama.cpp's tiled order; training works in HF's grouped order."""
+    back = np.argsort(tiled_order(t["linear_num_value_heads"], t["linear_num_key_heads"]))
+    qk = 2 * t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    out = dict(params)
+    for i, kind in enumerate(t["layer_types"]):
+        if kind == "full_attention":
+            continue
+        a = f"{LM}layers.{i}.linear_attn."
+        for name in ("in_proj_qkv.weight", "conv1d.weight"):
+            x = params[a + name]
+            out[a + name] = np.concatenate([x[:qk], _heads(x[qk:], back)])
+        for name in ("in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight", "dt_bias", "A_log"):
+            out[a + name] = _heads(params[a + name], back)
+        out[a + "out_proj.weight"] = _heads(params[a + "out_proj.weight"], back, axis=1)
+    return out
+
+
+def _float32(raw: np.ndarray, ggml_type, shape: tuple[int, ...]) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return dequantize(raw, ggml_type).reshape(shape).astype(np.float32)
 
 
 def main(argv=None):
@@ -175,8 +240,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--src", default="out/demo", help="folder written by python -m luxjax.demo.train")
     p.add_argument("--dst", default=str(Path(__file__).parents[1] / "assets" / "default"))
+    p.add_argument("--type", default="F16", choices=sorted(FILE_TYPES), help="storage type of the matrices")
     args = p.parse_args(argv)
-    for path in export(*load_trained(args.src), args.dst):
+    for path in export(*load_trained(args.src), args.dst, args.type):
         print(f"{path} {path.stat().st_size / 2**20:.2f} MiB")
 
 

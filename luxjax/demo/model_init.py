@@ -9,10 +9,17 @@ MIN_PIXELS, MAX_PIXELS = 4096, 65536
 IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
 
 
-def model_config(vocab_size: int, ids: dict[str, int]) -> dict:
+DECODER_LAYERS, VISION_DEPTH = 8, 4
+
+
+def model_config(vocab_size: int, ids: dict[str, int], layers: int = DECODER_LAYERS,
+                 vision_depth: int = VISION_DEPTH) -> dict:
     """HF config.json dict. `ids`: token ids of <|image_pad|>, <|vision_start|>, <|vision_end|>, <|im_end|>,
-    <|endoftext|> in the demo tokenizer."""
-    layers = ["linear_attention", "full_attention"] * 2  # two attention layers: images are read by attention
+    <|endoftext|> in the demo tokenizer. `layers` (even): DeltaNet and attention layers alternate, so half of them
+    read the images by attention."""
+    if layers < 2 or layers % 2:
+        raise ValueError(f"layers must be a positive even number, got {layers}")
+    layers = ["linear_attention", "full_attention"] * (layers // 2)
     text = {
         "vocab_size": vocab_size, "hidden_size": 256, "num_hidden_layers": len(layers), "intermediate_size": 512,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -23,7 +30,7 @@ def model_config(vocab_size: int, ids: dict[str, int]) -> dict:
                             "mrope_section": [3, 3, 2], "mrope_interleaved": True},
     }  # fmt: skip
     vision = {
-        "depth": 3, "hidden_size": 192, "intermediate_size": 384, "num_heads": 3, "out_hidden_size": 256,
+        "depth": vision_depth, "hidden_size": 192, "intermediate_size": 384, "num_heads": 3, "out_hidden_size": 256,
         "num_position_embeddings": 256, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
         "in_channels": 3, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
@@ -106,3 +113,37 @@ def init_params(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     mat(vis + "merger.linear_fc2.weight", t["hidden_size"], merged)
     const(vis + "merger.linear_fc2.bias", 0.0, t["hidden_size"])
     return out
+
+
+# Output projections of a block: zero makes the block an exact identity on its residual stream.
+_DECODER_OUTPUTS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight")
+_VISION_OUTPUTS = ("attn.proj.weight", "attn.proj.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+
+
+def grow_params(params: dict, small: dict, big: dict, seed: int) -> dict[str, np.ndarray]:
+    """Parameters of config `big` that compute exactly what `params` (of config `small`) compute: `big` may only add
+    decoder layers after the last one and vision blocks after the last one; the new blocks are freshly initialised
+    with their output projections zeroed, so they start as identities and training grows them from there."""
+    st, bt, sv, bv = small["text_config"], big["text_config"], small["vision_config"], big["vision_config"]
+    n, d = len(st["layer_types"]), sv["depth"]
+    same = (bt["layer_types"][:n] == st["layer_types"] and bv["depth"] >= d
+            and _without(bt, "layer_types", "num_hidden_layers") == _without(st, "layer_types", "num_hidden_layers")
+            and _without(bv, "depth") == _without(sv, "depth")
+            and _without(big, "text_config", "vision_config") == _without(small, "text_config", "vision_config"))
+    if not same:
+        raise ValueError("the larger config must equal the smaller one except for appended layers and blocks")
+    out = init_params(big, seed)
+    for name, value in params.items():
+        if out[name].shape != value.shape:
+            raise ValueError(f"{name}: shape {value.shape}, the config says {out[name].shape}")
+        out[name] = value
+    new = [f"model.language_model.layers.{i}.{o}" for i in range(n, len(bt["layer_types"])) for o in _DECODER_OUTPUTS]
+    new += [f"model.visual.blocks.{i}.{o}" for i in range(d, bv["depth"]) for o in _VISION_OUTPUTS]
+    for name in new:
+        if name in out:
+            out[name] = np.zeros_like(out[name])
+    return out
+
+
+def _without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from luxjax.demo.batches import BatchMaker, parse_mix
-from luxjax.demo.model_init import init_params, model_config
+from luxjax.demo.batches import FOLLOW_UPS, BatchMaker, parse_mix
+from luxjax.demo.model_init import DECODER_LAYERS, VISION_DEPTH, grow_params, init_params, model_config
 from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
 
 _MAKER = None
@@ -85,22 +85,24 @@ def main(argv=None):
     p.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds of training, counted from the compiled first step (0 = none)")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
-    p.add_argument("--follow-ups", type=int, default=3, help="at most this many extra question turns per image")
+    p.add_argument("--follow-ups", type=int, default=FOLLOW_UPS, help="at most this many extra question turns per image")
     p.add_argument("--question-mix", type=parse_mix, default="hard",
                    help='first-turn question types: "hard" (the default weights), "uniform" or "which=2,where=1,..."')
-    p.add_argument("--resume", help="start from the parameters saved in this folder (fresh optimizer state)")
+    p.add_argument("--layers", type=int, default=DECODER_LAYERS, help="decoder layers (even: DeltaNet, attention, ...)")
+    p.add_argument("--vision-depth", type=int, default=VISION_DEPTH, help="vision tower blocks")
+    p.add_argument("--resume", help="start from the parameters in this folder (fresh optimizer state): one written "
+                   "by this script or an exported GGUF pair (e.g. luxjax/assets/default); a model with fewer layers "
+                   "grows to the current shape, its new blocks starting as identities")
     p.add_argument("--out", default="out/demo")
     args = p.parse_args(argv)
     started = time.time()
     meta = train_tokenizer()
     tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
+                       args.layers, args.vision_depth)
     params = init_params(cfg, args.seed)
     if args.resume:
-        saved, saved_cfg, _ = load_trained(args.resume)
-        if saved_cfg != cfg or saved.keys() != params.keys():
-            raise SystemExit(f"--resume {args.resume}: saved with another model shape or tokenizer")
-        params = saved
+        params = resumed_params(args.resume, cfg, meta, args.seed)
     first_job = 1_000_003 * (args.seed + 1) + (10_000_019 if args.resume else 0)  # a resumed run sees new data
     jobs = ((first_job + step, args.batch) for step in range(args.steps))
     if args.workers > 0:
@@ -185,9 +187,27 @@ def save(folder, params, cfg: dict, meta: dict) -> Path:
     return out
 
 
+def resumed_params(folder, cfg: dict, meta: dict, seed: int) -> dict:
+    """Parameters saved in `folder` (by main() or as exported GGUF files) for the model of `cfg`."""
+    saved, saved_cfg, saved_meta = load_trained(folder)
+    if saved_meta != meta:
+        raise SystemExit(f"--resume {folder}: saved with another tokenizer")
+    if saved_cfg == cfg:
+        return saved
+    try:
+        return grow_params(saved, saved_cfg, cfg, seed)
+    except ValueError as e:
+        raise SystemExit(f"--resume {folder}: saved with another model shape ({e})") from e
+
+
 def load_trained(folder) -> tuple[dict, dict, dict]:
-    """(HF-named float32 params, config dict, GGUF tokenizer metadata) written by main()."""
+    """(HF-named float32 params, config dict, GGUF tokenizer metadata) written by main(), or read from the exported
+    GGUF files in `folder`."""
     folder = Path(folder)
+    if not (folder / "params_text.npz").exists():
+        from luxjax.demo.export_gguf import load_exported
+
+        return load_exported(folder)
     params = {}
     for name in ("params_text.npz", "params_vision.npz"):
         with np.load(folder / name) as z:

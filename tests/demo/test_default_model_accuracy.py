@@ -1,0 +1,55 @@
+"""The packaged default model answers held-out questions correctly through a real server (`python server.py` with
+no model, as a user starts it), on the CPU: at least 90% of 100 questions (README reports 500)."""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from luxjax.demo.eval import evaluate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, server: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"server.py exited with {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"server.py was not healthy within {seconds} s")
+
+
+def test_default_model_answers_held_out_questions(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", str(port)], cwd=tmp_path,
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        wait_until_healthy(url, server, 300)
+        seed = random.randrange(10**9, 2**40)  # training draws its data from seeds below 10**8
+        result = evaluate(url, 100, seed=seed)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    per_type = {kind: f"{c}/{t}" for kind, (c, t) in result["per_type"].items()}
+    assert result["accuracy"] >= 0.90, (seed, result["accuracy"], per_type, result["mistakes"][:5])

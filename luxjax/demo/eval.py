@@ -11,12 +11,15 @@ import argparse
 import base64
 import io
 import json
+import random
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
+from PIL import Image
 
-from luxjax.demo.data import QUESTION_TYPES, examples, is_correct
+from luxjax.demo.data import COLORS, QUESTION_TYPES, Scene, examples, is_correct
 
 HELD_OUT_SEED = 20250
 
@@ -37,9 +40,35 @@ def ask(client: httpx.Client, url: str, question: str, images) -> str:
     return r.json()["choices"][0]["message"]["content"] or ""
 
 
-def evaluate(url: str, n: int, seed: int = HELD_OUT_SEED, concurrency: int = 4, timeout: float = 120.0) -> dict:
-    """{"per_type": {type: [correct, total]}, "accuracy": float, "n": int, "mistakes": [...first few]}."""
+def draw_plain(scene: Scene, rng: random.Random) -> Image.Image:
+    """A second drawing routine, unlike the training renderer: numpy masks (no anti-aliasing, exact spec colours,
+    equilateral triangles standing on their base), a light background and sometimes light noise."""
+    y, x = np.mgrid[: scene.height, : scene.width] + 0.5
+    image = np.empty((scene.height, scene.width, 3), np.float32)
+    image[:] = [rng.randint(200, 255) for _ in range(3)]
+    for s in scene.shapes:
+        half = s.size / 2
+        if s.kind == "circle":
+            mask = (x - s.cx) ** 2 + (y - s.cy) ** 2 <= half**2
+        elif s.kind == "square":
+            mask = (abs(x - s.cx) <= half) & (abs(y - s.cy) <= half)
+        else:
+            top, bottom = s.cy + half - s.size * 3**0.5 / 2, s.cy + half
+            mask = (y >= top) & (y <= bottom) & (abs(x - s.cx) <= (y - top) / 3**0.5)
+        image[mask] = COLORS[s.color]
+    if rng.random() < 0.5:
+        image += np.random.default_rng(rng.getrandbits(32)).normal(0, 4, image.shape)
+    return Image.fromarray(np.clip(image, 0, 255).astype(np.uint8))
+
+
+def evaluate(url: str, n: int, seed: int = HELD_OUT_SEED, concurrency: int = 4, timeout: float = 120.0,
+             draw: str = "training") -> dict:
+    """{"per_type": {type: [correct, total]}, "accuracy": float, "n": int, "mistakes": [...first few]}.
+    `draw`: "training" (the training renderer) or "plain" (draw_plain, another routine for the same scenes)."""
     items = examples(seed, n)
+    if draw == "plain":
+        rng = random.Random(seed + 1)
+        items = [(ex, [draw_plain(scene, rng) for scene in ex.scenes]) for ex, _ in items]
     with httpx.Client(timeout=timeout) as client, ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(lambda item: ask(client, url, item[0].question, item[1]), items))
     per_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -70,9 +99,11 @@ def main(argv=None):
     p.add_argument("-n", type=int, default=500)
     p.add_argument("--seed", type=int, default=HELD_OUT_SEED)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--draw", default="training", choices=["training", "plain"],
+                   help="draw the images with the training renderer or with another routine (draw_plain)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
-    result = evaluate(args.url, args.n, args.seed, args.concurrency)
+    result = evaluate(args.url, args.n, args.seed, args.concurrency, draw=args.draw)
     print(table(result))
     for m in result["mistakes"][:5]:
         print("mistake:", m)

@@ -146,7 +146,8 @@ def make_example(rng: random.Random, kind: str | None = None) -> Example:
         rng.shuffle(specs)
         scene = place(rng, specs)
         obj = next(s for s in scene.shapes if (s.kind, s.color) == target)
-        return Example(kind, f"Where is the {target[1]} {target[0]}?", obj.quadrant(scene.width, scene.height), (scene,))
+        where = obj.quadrant(scene.width, scene.height)
+        return Example(kind, f"Where is the {target[1]} {target[0]}?", where, (scene,))
     if kind == "which":
         target = (rng.choice(SHAPES), rng.choice(colors))
         near = [(target[0], c) for c in colors if c != target[1]] + [(s, target[1]) for s in SHAPES if s != target[0]]

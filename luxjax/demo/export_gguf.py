@@ -206,7 +206,8 @@ def load_exported(folder) -> tuple[dict, dict, dict]:
     expected = {k: v.shape for k, v in init_params(cfg, 0).items()}
     got = {k: v.shape for k, v in params.items()}
     if got != expected:
-        raise ValueError(f"{folder}: tensors differ from the demo model's: {sorted(set(got.items()) ^ set(expected.items()))[:4]}")
+        differ = sorted(set(got.items()) ^ set(expected.items()))
+        raise ValueError(f"{folder}: tensors differ from the demo model's: {differ[:4]}")
     return params, cfg, meta
 
 

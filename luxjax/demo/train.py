@@ -85,7 +85,8 @@ def main(argv=None):
     p.add_argument("--time-limit", type=float, default=0,
                    help="stop after this many seconds of training, counted from the compiled first step (0 = none)")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps")
-    p.add_argument("--follow-ups", type=int, default=FOLLOW_UPS, help="at most this many extra question turns per image")
+    p.add_argument("--follow-ups", type=int, default=FOLLOW_UPS,
+                   help="at most this many extra question turns per sequence")
     p.add_argument("--question-mix", type=parse_mix, default="hard",
                    help='first-turn question types: "hard" (the default weights), "uniform" or "which=2,where=1,..."')
     p.add_argument("--layers", type=int, default=DECODER_LAYERS, help="decoder layers (even: DeltaNet, attention, ...)")

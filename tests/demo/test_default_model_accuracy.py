@@ -47,6 +47,9 @@ def test_default_model_answers_held_out_questions(tmp_path):
         wait_until_healthy(url, server, 300)
         seed = random.randrange(10**9, 2**40)  # training draws its data from seeds below 10**8
         result = evaluate(url, 100, seed=seed)
+    except AssertionError as e:
+        log.flush()
+        raise AssertionError(f"{e}; server log ends:\n{(tmp_path / 'server.log').read_text()[-2000:]}") from e
     finally:
         server.terminate()
         server.wait(timeout=60)

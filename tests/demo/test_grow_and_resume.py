@@ -53,7 +53,8 @@ def test_grown_model_computes_the_same_and_its_new_blocks_are_live(tokenizer):
     want = logits_with_image(small, small_cfg, tok, seed)
     got = logits_with_image(big, big_cfg, tok, seed)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    for name in ("model.language_model.layers.3.self_attn.o_proj.weight", "model.visual.blocks.1.mlp.linear_fc2.weight"):
+    for name in ("model.language_model.layers.3.self_attn.o_proj.weight",
+                 "model.visual.blocks.1.mlp.linear_fc2.weight"):
         changed = dict(big)
         changed[name] = np.random.default_rng(seed).normal(0, 0.05, big[name].shape).astype(np.float32)
         moved = np.abs(logits_with_image(changed, big_cfg, tok, seed) - want).max()

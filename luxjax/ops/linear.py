@@ -54,6 +54,20 @@ def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
     return _impl(x, w, out_dtype)
 
 
+def split_linear(x: jax.Array, w: Weight) -> jax.Array:
+    """float32 x [..., in] @ W.T for low-precision (bf16 or packed) W at bf16 matmul speed: x is split into its
+    bf16 high part and the bf16 rounding of the rest, both go through one bf16 product (stacked as rows, so W is read
+    once where the rows allow), and the two float32 results are summed. x keeps about 16 significant bits instead
+    of bf16's 8: for the layers whose bf16 input rounding dominates the error (Qwen3.5's DeltaNet)."""
+    hi = x.astype(jnp.bfloat16)
+    lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    rows = math.prod(x.shape[:-1])
+    if isinstance(w, QuantizedTensor) and rows <= _PALLAS_MAX_ROWS < 2 * rows:  # keep both halves on the kernel
+        return linear(hi, w, jnp.float32) + linear(lo, w, jnp.float32)
+    both = linear(jnp.stack([hi, lo]), w, jnp.float32)
+    return both[0] + both[1]
+
+
 def embedding_lookup(w: Weight, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` of the table w [vocab, dim] in `dtype`; packed tables decode only the gathered rows."""
     return dequantize_rows(w, ids, dtype)

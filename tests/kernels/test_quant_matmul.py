@@ -104,3 +104,30 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     assert len(calls) == 2 and wide.dtype == jnp.float32, "out_dtype must reach the kernel"
     linear_mod.linear(jnp.ones((linear_mod._PALLAS_MAX_ROWS + 1, 512), jnp.float32), w)
     assert len(calls) == 2, "prefill-sized x should take the XLA path"
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("weight", ["bf16", "Q4_K"])
+@pytest.mark.parametrize("pallas", [False, True])
+def test_split_linear_keeps_float32_inputs(monkeypatch, seed, rows, weight, pallas):
+    """split_linear (float32 x, low-precision W) lands within float32 rounding of the exact product of x and W as
+    bf16 matmuls see it (stored or dequantized values rounded to bf16), far closer than the product of bf16-rounded
+    x; on the kernel path (interpreted on CPU) too, for row counts whose stacked halves fit the kernel (9 -> one call
+    each) or not (40 -> XLA)."""
+    rng = np.random.default_rng(seed)
+    out, k = 48, 512
+    if weight == "bf16":
+        w = jnp.asarray(rng.normal(0, 1, (out, k)), jnp.bfloat16)
+        dense = np.asarray(w.astype(jnp.float32), np.float64)
+    else:
+        w, dense = random_weight(rng, T.Q4_K, out, k)
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    dense = np.asarray(jnp.asarray(dense, jnp.bfloat16).astype(jnp.float32), np.float64)
+    exact = x.astype(np.float64) @ dense.T
+    got = np.asarray(linear_mod.split_linear(jnp.asarray(x), w), np.float64)
+    rounded = np.asarray(linear_mod.linear(jnp.asarray(x, jnp.bfloat16), w, jnp.float32), np.float64)
+    err, bf16_err = np.abs(got - exact).max(), np.abs(rounded - exact).max()
+    scale = np.abs(x.astype(np.float64)) @ np.abs(dense).T
+    assert err <= 2e-5 * scale.max() and err < bf16_err / 20, (seed, err, bf16_err)

@@ -43,12 +43,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(_Scoped(w, "mlp."))
 
     def __call__(self, x, cache, *, cos, sin, start, valid, chunked, dtype):
-        """x: the float32 residual stream; the mixer and MLP compute in `dtype`."""
-        h = self.input_layernorm(x).astype(dtype)
+        """x: the float32 residual stream; attention and MLP compute in `dtype`, DeltaNet on float32 activations."""
+        h = self.input_layernorm(x)
         if self.is_attention:
-            h, cache = self.mixer(h, cos, sin, cache, start, valid)
+            h, cache = self.mixer(h.astype(dtype), cos, sin, cache, start, valid)
         else:
-            h, cache = self.mixer(h, cache, valid, chunked=chunked)
+            h, cache = self.mixer(h, cache, valid, chunked=chunked, dtype=dtype)
         x = x + h.astype(jnp.float32)
         return x + self.mlp(self.post_attention_layernorm(x).astype(dtype)).astype(jnp.float32), cache
 
@@ -116,7 +116,7 @@ class TextDecoder(nnx.Module):
                 one = (
                     empty_kv_cache(self.cfg, batch, max_len, dtype)
                     if layer_type == FULL_ATTENTION
-                    else empty_deltanet_cache(self.cfg, batch, dtype)
+                    else empty_deltanet_cache(self.cfg, batch)
                 )
                 segment.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (last - first,) + x.shape), one))
             caches.append(segment)

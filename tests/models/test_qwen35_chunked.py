@@ -10,8 +10,9 @@ Two classes of chunk size, because the DeltaNet layers themselves work in blocks
 - other chunks (1, 7) and the recurrent decode form reorder the float32 arithmetic of every DeltaNet layer. Their
   logits differ from the one-pass ones by about as much as either differs from the float64 truth (measured on this
   fixture: 1e-4..5e-4; transformers' own float32 run is 2e-4..6e-4 from its float64 run), so a bound of 1e-5 / 1e-4
-  cannot hold there. They are held to the parity bound (1e-3) against the one-pass logits and 5e-4 on caches and
-  on the next decode step.
+  cannot hold there. They are held to the parity bound (1e-3) against the one-pass logits, or, where the one pass
+  itself landed farther from float64 (seen: one pass 1.5e-3, chunks of 1 and 7 2.3e-4 from float64, 1.4e-3 apart),
+  to 1e-3 against the float64 logits; and to 5e-4 on caches and on the next decode step.
 Each test prints both runs' distances to transformers' float64 logits (chunked and one-pass are equally accurate:
 measured 3e-4..1e-3 for both, the ratio between them wandering from 0.5 to 2 with the prompt)."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ from qwen35_model_helpers import (EOS, FIXTURE_HF, IM_START, IMAGE_PAD, NORMAL_T
 ALIGNED_TOL = 1e-4  # chunks that keep the DeltaNet's 64-token blocks (logits, caches, next step)
 REORDERED_TOL = 1e-3  # logits of chunkings that reorder float32 arithmetic (the transformers parity bound)
 REORDERED_STATE_TOL = 5e-4  # their caches and next-token logits
+PROMPT_SEED_OFFSET = 104729  # the prompt's seed from the session seed
 
 
 def two_image_prompt(seed: int) -> Case:
@@ -95,7 +97,7 @@ def float64_distances(logits, one_pass, truth) -> str:
 
 @pytest.fixture(scope="module")
 def prompt_and_one_pass(fixture_model_f32, session_seed):
-    seed = (session_seed + 104729) % (2**31)
+    seed = (session_seed + PROMPT_SEED_OFFSET) % (2**31)
     case = two_image_prompt(seed)
     backend = fixture_model_f32.backend
     prompt = backend.prompt_from_ids(case.input_ids, case.image_inputs())
@@ -125,7 +127,8 @@ def test_chunked_prefill_matches_one_pass(fixture_model_f32, prompt_and_one_pass
 
     seed, case, prompt, (logits, caches, token, after), truth = prompt_and_one_pass
     backend = fixture_model_f32.backend
-    where = f"seed {seed}, {case.label}, {prompt.num_tokens} tokens, chunk {chunk}"
+    replay = (seed - PROMPT_SEED_OFFSET) % 2**31
+    where = f"seed {seed} (LUXJAX_TEST_SEED={replay}), {case.label}, {prompt.num_tokens} tokens, chunk {chunk}"
     cuts = plan_prefill_chunks(prompt.num_tokens, prompt.image_spans, chunk, backend.keep_images_whole)
     if chunk < prompt.num_tokens:
         assert any(s < b < e for b, _ in cuts for s, e in prompt.image_spans), f"{where}: no chunk boundary cuts an image"
@@ -133,7 +136,11 @@ def test_chunked_prefill_matches_one_pass(fixture_model_f32, prompt_and_one_pass
     tol, state_tol = (ALIGNED_TOL, ALIGNED_TOL) if aligned else (REORDERED_TOL, REORDERED_STATE_TOL)
     c_logits, c_caches, c_token, c_after = run_prefill(backend, prompt, chunk)
     diff = max_abs(c_logits, logits)
-    assert diff <= tol, f"{where}: logits differ by {diff:.3g} at position {worst_row(c_logits, logits)}"
+    # A reordering may land nearer the float64 truth than the one pass did (this fixture has float32-sensitive
+    # positions, see test_one_pass_matches_transformers): then it is held to the same bound against the truth.
+    truer = max_abs(c_logits, truth) <= min(tol, max_abs(logits, truth))
+    assert diff <= tol or truer, (f"{where}: logits differ by {diff:.3g} at position "
+                                  f"{worst_row(c_logits, logits)}; " + float64_distances(c_logits, logits, truth))
     cache_diff = compare_caches(c_caches, caches, prompt.num_tokens, where, state_tol)
     assert c_token == token, where
     next_diff = max_abs(c_after, after)

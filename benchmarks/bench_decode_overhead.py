@@ -21,15 +21,14 @@ import numpy as np  # noqa: E402
 def step_ms(layers: int, dtype: str, steps: int) -> tuple[float, float]:
     """(host milliseconds to issue a step, milliseconds per step including the device) for `layers` layers."""
     from luxjax.demo.batches import processor
-    from luxjax.demo.model_init import init_params, model_config
-    from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
+    from luxjax.demo.model_init import demo_config, init_params
+    from luxjax.demo.tokenizer_train import tokenizer_from_metadata, train_tokenizer
     from luxjax.models.qwen35.config import ModelConfig
     from luxjax.models.qwen35.load import build
 
     meta = train_tokenizer()
     tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
-                       layers=layers, vision_depth=1)
+    cfg = demo_config(meta, layers=layers, vision_depth=1)
     cfg["text_config"].update(hidden_size=64, intermediate_size=64)
     cfg["vision_config"]["out_hidden_size"] = 64
     backend = build(ModelConfig.from_hf(cfg), init_params(cfg, 0), tok, processor(), dtype, origin="overhead")

@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from luxjax.demo.batches import BatchMaker, processor  # noqa: E402
-from luxjax.demo.model_init import init_params, model_config  # noqa: E402
-from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer  # noqa: E402
+from luxjax.demo.model_init import demo_config, init_params  # noqa: E402
+from luxjax.demo.tokenizer_train import tokenizer_from_metadata, train_tokenizer  # noqa: E402
 from luxjax.demo.train import build_model, make_loss  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main():
     args = ap.parse_args()
     meta = train_tokenizer()
     tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    cfg = demo_config(meta)
     params = jax.device_put(init_params(cfg, 0))
     batch = jax.device_put(vars(BatchMaker(tok, cfg, meta["tokenizer.chat_template"])(1, args.batch)))
     f32 = jnp.float32

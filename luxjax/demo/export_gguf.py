@@ -185,11 +185,10 @@ def export(params: dict, cfg: dict, tok_meta: dict, dst, file_type: str = "F16")
 
 def load_exported(folder) -> tuple[dict, dict, dict]:
     """(HF-named float32 params, config dict, GGUF tokenizer metadata) of an exported pair in `folder`, read by
-    luxjax's own GGUF loaders; the config is model_config's for the files' depths, checked tensor by tensor."""
+    luxjax's own GGUF loaders; the config is demo_config's for the files' depths, checked tensor by tensor."""
     from luxjax.checkpoint.gguf_mmproj import load_qwen35_mmproj
     from luxjax.checkpoint.gguf_qwen35 import load_qwen35_gguf
-    from luxjax.demo.model_init import init_params, model_config
-    from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata
+    from luxjax.demo.model_init import demo_config, init_params
 
     folder = Path(folder)
     mmprojs = sorted(folder.glob("mmproj*.gguf"))
@@ -199,9 +198,7 @@ def load_exported(folder) -> tuple[dict, dict, dict]:
     text = load_qwen35_gguf(decoders[0], progress=False, materialize=_float32)
     vision = load_qwen35_mmproj(mmprojs[0], progress=False, materialize=_float32)
     meta = {k: v for k, v in text.metadata.items() if k.startswith("tokenizer.")}
-    tok = tokenizer_from_metadata(meta)
-    cfg = model_config(text.text_config["vocab_size"], {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
-                       layers=text.text_config["num_hidden_layers"], vision_depth=vision.vision_config["depth"])
+    cfg = demo_config(meta, text.text_config["num_hidden_layers"], vision.vision_config["depth"])
     params = grouped_value_heads({**text.tensors, **vision.tensors}, cfg["text_config"])
     expected = {k: v.shape for k, v in init_params(cfg, 0).items()}
     got = {k: v.shape for k, v in params.items()}

@@ -43,6 +43,15 @@ def model_config(vocab_size: int, ids: dict[str, int], layers: int = DECODER_LAY
     }  # fmt: skip
 
 
+def demo_config(meta: dict, layers: int = DECODER_LAYERS, vision_depth: int = VISION_DEPTH) -> dict:
+    """model_config for the demo tokenizer given as its GGUF metadata (vocabulary size and special-token ids)."""
+    from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata
+
+    tok = tokenizer_from_metadata(meta)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    return model_config(len(meta["tokenizer.ggml.tokens"]), ids, layers, vision_depth)
+
+
 def init_params(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     """Matrices ~ N(0, 0.02); zero-centred RMSNorm weights 0 (scale 1); DeltaNet output norm 1; LayerNorms 1/0;
     A_log ~ log U(1, 16); dt_bias 1."""

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from luxjax.demo.batches import FOLLOW_UPS, BatchMaker, parse_mix
-from luxjax.demo.model_init import DECODER_LAYERS, VISION_DEPTH, grow_params, init_params, model_config
-from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
+from luxjax.demo.model_init import DECODER_LAYERS, VISION_DEPTH, demo_config, grow_params, init_params
+from luxjax.demo.tokenizer_train import tokenizer_from_metadata, train_tokenizer
 
 _MAKER = None
 
@@ -98,9 +98,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     started = time.time()
     meta = train_tokenizer()
-    tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
-                       args.layers, args.vision_depth)
+    cfg = demo_config(meta, args.layers, args.vision_depth)
     params = init_params(cfg, args.seed)
     if args.resume:
         params = resumed_params(args.resume, cfg, meta, args.seed)

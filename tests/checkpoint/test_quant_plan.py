@@ -58,14 +58,14 @@ def test_random_quantized_model_matches_its_dequantized_twin():
     import luxjax.checkpoint.quants as quants
     from luxjax.api import Model
     from luxjax.demo.batches import processor
-    from luxjax.demo.model_init import init_params, model_config
-    from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
+    from luxjax.demo.model_init import demo_config, init_params
+    from luxjax.demo.tokenizer_train import tokenizer_from_metadata, train_tokenizer
     from luxjax.models.qwen35.config import ModelConfig
     from luxjax.models.qwen35.load import build
 
     meta = train_tokenizer()
     tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    cfg = demo_config(meta)
     dense = init_params(cfg, seed=random.randrange(1 << 30))
     n_layers = cfg["text_config"]["num_hidden_layers"]
     packed = quantize_at_random(dense, "Q4_K_M", n_layers, np.float32, seed=random.randrange(1 << 30))

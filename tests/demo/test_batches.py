@@ -15,8 +15,8 @@ import pytest
 from test_data import check_answer
 
 import luxjax.demo.batches as batches
-from luxjax.demo.model_init import init_params, model_config
-from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
+from luxjax.demo.model_init import demo_config, init_params
+from luxjax.demo.tokenizer_train import tokenizer_from_metadata, train_tokenizer
 from luxjax.text.chat_template import render_chat
 
 KINDS = [("shape", r"What shape is in the image\?"), ("color", r"What color is the \w+\?"),
@@ -29,7 +29,7 @@ VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 def demo():
     meta = train_tokenizer()
     tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    cfg = demo_config(meta)
     return meta, tok, cfg
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import luxjax
 from luxjax.demo.data import make_example, render
 from luxjax.demo.export_gguf import export, tiled_order
-from luxjax.demo.model_init import init_params, model_config
-from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
+from luxjax.demo.model_init import demo_config, init_params
+from luxjax.demo.tokenizer_train import tokenizer_from_metadata, train_tokenizer
 
 
 def test_tiled_order():
@@ -23,7 +23,7 @@ def test_export_load_logits_match(tmp_path):
 
     meta = train_tokenizer()
     tok = tokenizer_from_metadata(meta)
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS})
+    cfg = demo_config(meta)
     params = init_params(cfg, seed=1)
     rng = np.random.default_rng(2)
     for name, value in params.items():  # move every weight off its initial value so each transform is exercised

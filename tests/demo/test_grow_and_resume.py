@@ -10,7 +10,7 @@ import pytest
 
 from luxjax.demo.data import make_example, render
 from luxjax.demo.export_gguf import export, load_exported
-from luxjax.demo.model_init import grow_params, init_params, model_config
+from luxjax.demo.model_init import demo_config, grow_params, init_params, model_config
 from luxjax.demo.tokenizer_train import SPECIAL_TOKENS, tokenizer_from_metadata, train_tokenizer
 
 
@@ -43,10 +43,10 @@ def logits_with_image(params: dict, cfg: dict, tok, seed: int) -> np.ndarray:
 
 
 def test_grown_model_computes_the_same_and_its_new_blocks_are_live(tokenizer):
-    meta, tok, ids = tokenizer
+    meta, tok, _ = tokenizer
     seed = int(np.random.default_rng().integers(1 << 30))
-    small_cfg = model_config(len(meta["tokenizer.ggml.tokens"]), ids, layers=2, vision_depth=1)
-    big_cfg = model_config(len(meta["tokenizer.ggml.tokens"]), ids, layers=4, vision_depth=2)
+    small_cfg = demo_config(meta, layers=2, vision_depth=1)
+    big_cfg = demo_config(meta, layers=4, vision_depth=2)
     small = perturbed(init_params(small_cfg, seed), seed + 1)
     big = grow_params(small, small_cfg, big_cfg, seed + 2)
     assert set(big) == set(init_params(big_cfg, 0)) and all(np.array_equal(big[k], v) for k, v in small.items())
@@ -63,9 +63,9 @@ def test_grown_model_computes_the_same_and_its_new_blocks_are_live(tokenizer):
 
 def test_grow_refuses_other_shapes(tokenizer):
     meta, _, ids = tokenizer
-    small_cfg = model_config(len(meta["tokenizer.ggml.tokens"]), ids, layers=4, vision_depth=2)
+    small_cfg = demo_config(meta, layers=4, vision_depth=2)
     small = init_params(small_cfg, 0)
-    for big_cfg in (model_config(len(meta["tokenizer.ggml.tokens"]), ids, layers=2, vision_depth=2),
+    for big_cfg in (demo_config(meta, layers=2, vision_depth=2),
                     model_config(len(meta["tokenizer.ggml.tokens"]) + 1, ids, layers=6, vision_depth=2)):
         with pytest.raises(ValueError):
             grow_params(small, small_cfg, big_cfg, 0)
@@ -73,9 +73,9 @@ def test_grow_refuses_other_shapes(tokenizer):
 
 @pytest.mark.parametrize("file_type", ["F16", "F32"])
 def test_exported_files_read_back_as_the_written_parameters(tokenizer, tmp_path, file_type):
-    meta, _, ids = tokenizer
+    meta, _, _ = tokenizer
     seed = int(np.random.default_rng().integers(1 << 30))
-    cfg = model_config(len(meta["tokenizer.ggml.tokens"]), ids, layers=4, vision_depth=2)
+    cfg = demo_config(meta, layers=4, vision_depth=2)
     params = perturbed(init_params(cfg, seed), seed + 1)
     export(params, cfg, meta, tmp_path, file_type)
     got, got_cfg, got_meta = load_exported(tmp_path)

@@ -10,6 +10,7 @@ the decoders emit values (quant_decode.py). float32 x uses exact float32 product
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from pallas_kernels.quant_decode import KERNEL_FORMATS
@@ -35,13 +37,20 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, ggml_type, m: int) -> BlockSizes:
-        """Fastest of a small sweep on an H200 (17408 x 5120, Q8_0 and Q4_K; benchmarks/bench_quant_matmul.py)."""
+        """Fastest of a sweep on an H200 in the decoder's setting (a scan over stacked 17408 x 5120 layers read in
+        place; benchmarks/bench_decode_gemv.py --sweep, 2026-11-29); the prefill GEMM from an earlier sweep."""
         block = KERNEL_FORMATS[ggml_type].block
         if m == 1:
-            return cls(1, 8, 512 // block, 4, 3)
+            block_n, values, warps = _GEMV_TILES.get(ggml_type, (8, 512, 4))
+            return cls(1, block_n, max(1, values // block), warps, 3)
         if m <= GEMV_MAX_ROWS:
-            return cls(16, 64, 512 // block, 4, 3)
+            return cls(16, 32, max(1, _SKINNY_VALUES.get(ggml_type, 512) // block), 4, 3)
         return cls(64, 128, max(1, 64 // block), 4, 3)
+
+
+# Swept per format: (block_n, values per K step, warps) of the one-row GEMV; values per K step of the skinny dot.
+_GEMV_TILES = {T.IQ4_XS: (8, 1024, 8), T.Q4_K: (16, 512, 4), T.Q5_K: (8, 1024, 8), T.Q6_K: (8, 512, 4)}
+_SKINNY_VALUES = {T.IQ4_XS: 256, T.Q6_K: 256}
 
 
 def _blocks_per_step(blocks: int, wanted: int) -> int:
@@ -51,10 +60,34 @@ def _blocks_per_step(blocks: int, wanted: int) -> int:
     return kb
 
 
-def _kernel(*refs, names, pieces, piece, kb, steps, reduce, dot_dtype, precision):
-    *plane_refs, x_ref, o_ref = refs  # planes [BN, blocks, *plane], x [BM, blocks, *x block], o [BM, BN]
-    planes = dict(zip(names, plane_refs))
+class _Rows:
+    """This program's BN rows (of layer `layer` when stacked) of a whole plane ref, indexed like a [BN, blocks, ...]
+    block: view[:, sl, ...] -> ref[layer, rows, sl, ...] in one load (Triton lowers a single indexer)."""
+
+    def __init__(self, ref, prefix):
+        self._ref, self._prefix = ref, prefix
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if idx[0] != slice(None):
+            raise IndexError("a row view is indexed over all its rows first")
+        return self._ref[(*self._prefix, *idx[1:])]
+
+
+_WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
+
+
+def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision):
+    # [layer], planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block], o [BM, BN]
+    *plane_refs, x_ref, o_ref = refs
     block_n = o_ref.shape[1]
+    rows = pl.ds(pl.multiple_of(pl.program_id(1) * block_n, block_n), block_n)
+    if stacked:
+        layer_ref, *plane_refs = plane_refs
+        prefix = (layer_ref[0], rows)
+    else:
+        prefix = (rows,)
+    planes = {name: _Rows(ref, prefix) for name, ref in zip(names, plane_refs)}
 
     def step(k, acc):
         sl = pl.ds(pl.multiple_of(k * kb, kb), kb)
@@ -93,42 +126,82 @@ def quant_matmul(x: jax.Array, w: QuantizedTensor, *, block_sizes: BlockSizes | 
                  interpret: bool = False, debug: bool = False) -> jax.Array:
     """x [M, in] @ W.T for W [out, in] packed -> [M, out] in out_dtype (default x.dtype), written straight from
     the float32 accumulator."""
+    return _quant_matmul(x, w, None, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret, debug=debug)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
+def stacked_quant_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array, *, block_sizes: BlockSizes | None = None,
+                         out_dtype=None, interpret: bool = False, debug: bool = False) -> jax.Array:
+    """x [M, in] @ W[layer].T for W stacked over layers (every plane [L, rows, blocks, n]; w.shape is one layer's),
+    read in place: slicing W[layer] outside the kernel would copy it first (see dense_gemv.py)."""
+    return _quant_matmul(x, w, layer, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret, debug=debug)
+
+
+def stacked_supported(x_shape, w: QuantizedTensor) -> bool:
+    """Whether stacked_quant_matmul takes x [..., in] @ W[layer].T: a kernel format, 2-D layers, at most
+    GEMV_MAX_ROWS rows of x, and output rows that the row tiles divide (stacked planes are never padded)."""
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    if w.ggml_type not in KERNEL_FORMATS or w.ndim != 2 or not 0 < m <= GEMV_MAX_ROWS:
+        return False
+    return _stacked_block_sizes(w.ggml_type, m, w.shape[0]) is not None
+
+
+def _stacked_block_sizes(ggml_type, m: int, n: int) -> BlockSizes | None:
+    """The default tiles with block_n lowered to a power of two dividing n (stacked planes are not padded): at
+    least 8 rows for the GEMV, 16 for a skinny dot; else None."""
+    bs = BlockSizes.get_default(ggml_type, m)
+    block_n = bs.block_n
+    while n % block_n:
+        block_n //= 2
+    if block_n < (8 if bs.block_m == 1 else 16):
+        return None
+    return dataclasses.replace(bs, block_n=block_n)
+
+
+def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     fmt = KERNEL_FORMATS.get(w.ggml_type)
     if fmt is None:
         raise NotImplementedError(f"no fused kernel for {w.ggml_type.name} (have {[t.name for t in KERNEL_FORMATS]})")
     if w.ndim != 2 or x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {x.shape} @ W.T needs x [M, in] and W [out, in] with equal in; W is {w.shape}")
     m, (n, k) = x.shape[0], w.shape
-    bs = block_sizes or BlockSizes.get_default(w.ggml_type, m)
+    bs = block_sizes or (BlockSizes.get_default(w.ggml_type, m) if layer is None
+                         else _stacked_block_sizes(w.ggml_type, m, n))
+    if bs is None:
+        raise ValueError(f"no row tile divides the {n} rows of the stacked weight")
     reduce = bs.block_m == 1
     if reduce and m != 1:
         raise ValueError(f"block_m=1 (GEMV reduce) needs one row of x, got {m=}")
     blocks = k // fmt.block
     kb = _blocks_per_step(blocks, bs.blocks_k)
-    planes = {name: _pad_to(w.planes[name].reshape(n, blocks, *shape), 0, bs.block_n)
-              for name, shape in fmt.planes.items()}
+    if layer is None:
+        planes = {name: _pad_to(w.planes[name].reshape(n, blocks, *shape), 0, bs.block_n)
+                  for name, shape in fmt.planes.items()}
+    else:
+        if n % bs.block_n:
+            raise ValueError(f"stacked weight rows {n} must be a multiple of block_n={bs.block_n}")
+        planes = {name: w.planes[name].reshape(-1, n, blocks, *shape) for name, shape in fmt.planes.items()}
     xp = x.reshape(m, blocks, *fmt.x_split)
     xp = xp.transpose(0, 1, *(2 + a for a in fmt.x_perm))
     xp = _pad_to(xp, 0, bs.block_m)
-    mp, np_ = xp.shape[0], planes[next(iter(planes))].shape[0]
-
-    def plane_spec(a):
-        return pl.BlockSpec((bs.block_n, *a.shape[1:]), lambda i, j, nd=a.ndim: (j,) + (0,) * (nd - 1))
+    mp, np_ = xp.shape[0], planes[next(iter(planes))].shape[0 if layer is None else 1]
 
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     kernel = functools.partial(
-        _kernel, names=tuple(planes), pieces=fmt.pieces, piece=fmt.piece, kb=kb, steps=blocks // kb, reduce=reduce,
-        dot_dtype=dot_dtype, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+        _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
+        steps=blocks // kb, reduce=reduce, dot_dtype=dot_dtype, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),
         grid=(mp // bs.block_m, np_ // bs.block_n),
-        in_specs=[*(plane_spec(a) for a in planes.values()),
+        in_specs=[*(_WHOLE for _ in range(len(planes) + (layer is not None))),
                   pl.BlockSpec((bs.block_m, *xp.shape[1:]), lambda i, j: (i,) + (0,) * (xp.ndim - 1))],
         out_specs=pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"quant_matmul_{w.ggml_type.name.lower()}",
-    )(*planes.values(), xp)
+    )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]), *planes.values(), xp)
     return y[:m, :n]
 
 

@@ -9,11 +9,17 @@ from flax import nnx
 from luxjax.ops.linear import embedding_lookup, linear
 
 
+class MatrixParam(nnx.Param):
+    """A Linear layer's weight matrix. Scanned decoder layers leave these stacked and pass each layer's as a
+    LayerSlice (luxjax.ops.linear), so that decode kernels read them in place."""
+
+
 class Linear(nnx.Module):
-    """y = x @ W.T (+ b). W is [out, in]: a dense array or a packed QuantizedTensor."""
+    """y = x @ W.T (+ b). W is [out, in]: a dense array or a packed QuantizedTensor (or, inside a layer scan,
+    a LayerSlice of either)."""
 
     def __init__(self, weight, bias=None):
-        self.weight = nnx.Param(weight)
+        self.weight = MatrixParam(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
 
     def __call__(self, x: jax.Array) -> jax.Array:

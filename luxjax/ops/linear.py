@@ -5,10 +5,14 @@ _PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when lux
 (GPU by default, LUXJAX_KERNELS overrides); everything else takes the XLA path, which dequantizes inside the
 jitted graph and is the kernels' oracle. Prefill stays on XLA: the fused GEMM measured 116 TFLOP/s on an H200
 (Q8_0, M=1024) where XLA's dequantize-then-cuBLAS runs near the ~590 TFLOP/s bf16 rate.
+
+A weight may also come as a LayerSlice: one layer of a weight stacked over the scanned layers, not yet sliced.
+Decode-sized products read it in place with the stacked kernels (dense or packed); everything else slices it.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,21 @@ from luxjax.ops import backend
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
 _PALLAS_MAX_ROWS = 16  # the streaming GEMV regime of quant_matmul
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerSlice:
+    """Layer `index` of a weight stacked over layers (leading axis of the array, or of every plane of a packed
+    tensor, whose `shape` is one layer's). Inside a layer scan, XLA copies a sliced weight into its own buffer
+    before a GEMM or kernel call (measured on an H200: benchmarks/bench_layer_scan.py), tripling the bytes a decode
+    step reads; kept unsliced, the stacked kernels read the layer in place."""
+
+    stacked: Weight
+    index: jax.Array  # int32 scalar
+
+    def take(self) -> Weight:
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stacked)
 
 
 def _xla_linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
@@ -44,17 +63,42 @@ def _kernel_applies(x: jax.Array, w: Weight) -> bool:
             and x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) and backend.use_pallas())
 
 
-def _impl(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
+def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array | None:
+    """x @ W[layer].T by a stacked kernel reading the layer in place, or None where none applies."""
+    if not backend.use_pallas() or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if isinstance(w.stacked, QuantizedTensor):
+        from pallas_kernels import quant_matmul as kernels
+
+        if not kernels.stacked_supported(x.shape, w.stacked):
+            return None
+        y = kernels.stacked_quant_matmul(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
+    else:
+        from pallas_kernels import dense_gemv
+
+        if not dense_gemv.supported(x.shape, w.stacked.shape, w.stacked.dtype):
+            return None
+        y = dense_gemv.stacked_gemv(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _impl(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
+    if isinstance(w, LayerSlice):
+        y = _in_place_linear(x, w, out_dtype)
+        if y is not None:
+            return y
+        w = w.take()
     return (_pallas_linear if _kernel_applies(x, w) else _xla_linear)(x, w, out_dtype)
 
 
-def linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
-    """x [..., in] @ W.T for W [out, in] (jnp array or QuantizedTensor) -> [..., out] in out_dtype (default: x's;
-    float32 keeps the accumulator unrounded, e.g. for logits)."""
+def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
+    """x [..., in] @ W.T for W [out, in] (jnp array, QuantizedTensor or a LayerSlice of either) -> [..., out] in
+    out_dtype (default: x's; float32 keeps the accumulator unrounded, e.g. for logits)."""
     return _impl(x, w, out_dtype)
 
 
-def split_linear(x: jax.Array, w: Weight) -> jax.Array:
+def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
     """float32 x [..., in] @ W.T for low-precision (bf16 or packed) W at bf16 matmul speed: x is split into its
     bf16 high part and the bf16 rounding of the rest, both go through one bf16 product (stacked as rows, so W is read
     once where the rows allow), and the two float32 results are summed. x keeps about 16 significant bits instead
@@ -62,7 +106,8 @@ def split_linear(x: jax.Array, w: Weight) -> jax.Array:
     hi = x.astype(jnp.bfloat16)
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     rows = math.prod(x.shape[:-1])
-    if isinstance(w, QuantizedTensor) and rows <= _PALLAS_MAX_ROWS < 2 * rows:  # keep both halves on the kernel
+    kernel_sized = isinstance(w, LayerSlice) or isinstance(w, QuantizedTensor)
+    if kernel_sized and rows <= _PALLAS_MAX_ROWS < 2 * rows:  # keep both halves on the kernels
         return linear(hi, w, jnp.float32) + linear(lo, w, jnp.float32)
     both = linear(jnp.stack([hi, lo]), w, jnp.float32)
     return both[0] + both[1]

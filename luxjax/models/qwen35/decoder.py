@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from luxjax.layers.basic import Embedding, Linear, ZeroCenteredRMSNorm
+from luxjax.checkpoint.quants import QuantizedTensor
+from luxjax.layers.basic import Embedding, Linear, MatrixParam, ZeroCenteredRMSNorm
 from luxjax.layers.rope import interleaved_mrope_axes, inverse_frequencies, mrope_cos_sin
 from luxjax.models.qwen35.attention import GatedAttention, empty_kv_cache
 from luxjax.models.qwen35.config import FULL_ATTENTION, TextConfig
 from luxjax.models.qwen35.deltanet import GatedDeltaNet, empty_deltanet_cache
-from luxjax.ops.linear import linear
+from luxjax.ops.linear import LayerSlice, linear
 
 PREFIX = "model.language_model."
 
@@ -61,6 +62,11 @@ class _Scoped:
 
     def __call__(self, name):
         return self._get(self._prefix + name)
+
+
+def _layer_slices(matrices, index):
+    """Every stacked matrix of a layer state as a LayerSlice at `index` (packed tensors as a whole)."""
+    return jax.tree.map(lambda w: LayerSlice(w, index), matrices, is_leaf=lambda a: isinstance(a, QuantizedTensor))
 
 
 def _stack(trees):
@@ -125,10 +131,11 @@ class TextDecoder(nnx.Module):
     def embed(self, ids, dtype):
         return self.embed_tokens(ids, dtype)
 
-    def __call__(self, x, positions, start, valid, caches, *, chunked: bool):
+    def __call__(self, x, positions, start, valid, caches, *, chunked: bool, weights_in_place: bool = False):
         """x [B, T, hidden] input embeddings in the compute dtype; positions int32 [3, B, T]; start [B] cached tokens
         per sequence; valid [B, T] bool prefix mask. Returns (final-norm hidden [B, T, hidden], new caches).
-        The residual stream stays float32 between layers (bf16 mode rounds only inside the blocks)."""
+        The residual stream stays float32 between layers (bf16 mode rounds only inside the blocks).
+        weights_in_place: see _scan_segment (inference; training differentiates through the plain slices)."""
         inv_freq = inverse_frequencies(self.cfg.rotary_dim, self.cfg.rope_theta)
         axes = interleaved_mrope_axes(self.cfg.rotary_dim, self.cfg.mrope_section)
         cos, sin = mrope_cos_sin(positions, inv_freq, axes)
@@ -136,24 +143,31 @@ class TextDecoder(nnx.Module):
         dtype = x.dtype
         x = x.astype(jnp.float32)
         for s, segment in enumerate(self.stacks):
-            x, caches[s] = self._scan_segment(segment, x, caches[s], cos=cos, sin=sin, start=start, valid=valid,
-                                              chunked=chunked, dtype=dtype)
+            x, caches[s] = self._scan_segment(segment, x, caches[s], weights_in_place=weights_in_place, cos=cos,
+                                              sin=sin, start=start, valid=valid, chunked=chunked, dtype=dtype)
         return self.norm(x).astype(dtype), caches
 
     @staticmethod
-    def _scan_segment(segment, x, caches, **kw):
-        split = [nnx.split(stack) for stack in segment]
-        graphdefs = [g for g, _ in split]
+    def _scan_segment(segment, x, caches, *, weights_in_place: bool = False, **kw):
+        """One lax.scan over the segment's repeats. weights_in_place: the matrices stay stacked and each layer gets
+        LayerSlices of them (decode kernels read them in place) instead of the scan's copies of its slices."""
+        filters = (MatrixParam, ...) if weights_in_place else (...,)
+        split = [nnx.split(stack, *filters) for stack in segment]  # (graphdef, [stacked matrices,] scanned rest)
+        graphdefs = [g for g, *_ in split]
+        matrices = [parts[1] for parts in split] if weights_in_place else None
+        scanned = [parts[-1] for parts in split]
 
         def body(h, xs):
-            layer_states, layer_caches = xs
+            index, layer_states, layer_caches = xs
             new_caches = []
-            for graphdef, state, cache in zip(graphdefs, layer_states, layer_caches):
-                h, cache = nnx.merge(graphdef, state)(h, cache, **kw)
+            for j, (graphdef, state, cache) in enumerate(zip(graphdefs, layer_states, layer_caches)):
+                states = (state,) if matrices is None else (_layer_slices(matrices[j], index), state)
+                h, cache = nnx.merge(graphdef, *states)(h, cache, **kw)
                 new_caches.append(cache)
             return h, new_caches
 
-        return jax.lax.scan(body, x, ([state for _, state in split], caches))
+        repeats = jax.tree.leaves(caches)[0].shape[0]
+        return jax.lax.scan(body, x, (jnp.arange(repeats), scanned, caches))
 
     def logits(self, h):
         """float32 logits straight from the float32 accumulator (bf16-rounded logits would tie near the top);

@@ -52,7 +52,7 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
     fresh = start == 0
     rows = jax.tree.map(lambda c: jnp.where(fresh, jnp.zeros_like(c), c), rows)
     valid = (jnp.arange(T) < valid_len)[None]
-    h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True)
+    h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True, weights_in_place=True)
     caches = _put_slot_rows(caches, rows, slot)
     if all_logits:
         return model.text.logits(h[0]), caches
@@ -66,5 +66,6 @@ def decode(graphdef, state, caches, ids, positions, start, active, *, dtype):
     (idle slots and slots between prefill chunks keep their caches untouched). Returns logits [B, V]."""
     model = nnx.merge(graphdef, state)
     x = model.text.embed(ids[:, None], dtype)
-    h, caches = model.text(x, positions[:, :, None], start, active[:, None], caches, chunked=False)
+    h, caches = model.text(x, positions[:, :, None], start, active[:, None], caches, chunked=False,
+                           weights_in_place=True)
     return model.text.logits(h[:, 0]), caches

@@ -1,0 +1,177 @@
+"""Decode matmuls as the decoder runs them: a scan over layers, each reading its layer of a stacked weight in place
+(pallas_kernels.dense_gemv / quant_matmul's stacked path), on the Qwen3.5-27B shapes, against the copy ceiling.
+
+    python benchmarks/bench_decode_gemv.py [--sweep] [--seconds 400] [--json out.json]
+
+GB/s = weight bytes / time per layer (x and y are negligible). Each timing is the median of 15 calls of one
+jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2. The XLA row is the same product
+on a separate (unstacked) array: what XLA's own GEMV reaches without the scan's slice copy. --sweep first tries
+tile sizes per format at 1 and 16 rows on the first shape and uses the fastest for the table.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
+
+from benchmarks.quant_plan import random_packed  # noqa: E402
+from luxjax.ops import backend  # noqa: E402
+from luxjax.ops.linear import _xla_linear  # noqa: E402
+from pallas_kernels import dense_gemv, quant_matmul as qm  # noqa: E402
+
+SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120)]  # (out, in)
+FORMATS = ["bf16", "IQ4_XS", "Q4_K", "Q6_K", "Q5_K", "Q8_0"]
+ROWS = (1, 4, 16)
+STACK_BYTES = 256 * 2**20
+
+
+def median_ms(fn, *args, repeats: int = 15) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def stacked_weight(fmt: str, out: int, k: int, key):
+    """(stacked weight, layers, bytes per layer) with >= STACK_BYTES in all."""
+    if fmt == "bf16":
+        per_layer = 2 * out * k
+        layers = max(2, -(-STACK_BYTES // per_layer))
+        return jax.random.normal(key, (layers, out, k), jnp.bfloat16) * 0.02, layers, per_layer
+    one = random_packed((out, k), T[fmt], key, jnp.bfloat16)
+    layers = max(2, -(-STACK_BYTES // one.nbytes))
+    ws = [one] + [random_packed((out, k), T[fmt], jax.random.fold_in(key, i), jnp.bfloat16) for i in range(1, layers)]
+    return jax.tree.map(lambda *a: jnp.stack(a), *ws), layers, one.nbytes
+
+
+def chain(x, y):
+    """The next layer's input from this one's output, whatever their widths (keeps every product live)."""
+    return x * 0.999 + (1e-3 * jnp.mean(y.astype(jnp.float32), axis=1, keepdims=True)).astype(x.dtype)
+
+
+def scan_fn(fmt: str, block_sizes):
+    """jit(x, stacked) -> x after one in-place product per layer (each layer's input depends on the last)."""
+    def product(x, w, i):
+        if fmt == "bf16":
+            return dense_gemv.stacked_gemv(x, w, i, block_sizes=block_sizes, interpret=backend.interpret())
+        return qm.stacked_quant_matmul(x, w, i, block_sizes=block_sizes, interpret=backend.interpret())
+
+    def run(x, w):
+        layers = jax.tree.leaves(w)[0].shape[0]
+        body = lambda h, i: (chain(h, product(h, w, i)), None)  # noqa: E731
+        return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+    return jax.jit(run)
+
+
+def xla_separate_ms(fmt: str, stacked, x) -> float:
+    """XLA's product on one unstacked layer, repeated over the layers' worth of separate copies."""
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    ws = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(layers)]
+
+    def run(x, ws):
+        for w in ws:
+            x = chain(x, _xla_linear(x, w))
+        return x
+
+    return median_ms(jax.jit(run), x, ws) / layers
+
+
+def candidates(fmt: str, m: int):
+    if fmt == "bf16":
+        grid = (itertools.product((8, 16, 32), (256, 512, 1024), (4, 8)) if m == 1
+                else itertools.product((32, 64, 128), (64, 128, 256), (4,)))
+        return [dense_gemv.BlockSizes(bn, bk, w, 3) for bn, bk, w in grid]
+    block = GGML_QUANT_SIZES[T[fmt]][0]
+    grid = (itertools.product((8, 16, 32), (256, 512, 1024), (4, 8)) if m == 1
+            else itertools.product((16, 32, 64), (256, 512), (4,)))
+    return [qm.BlockSizes(1 if m == 1 else 16, bn, max(1, v // block), w, 3) for bn, v, w in grid]
+
+
+def sweep(formats, deadline: float, key) -> dict:
+    out, k = SHAPES[0]
+    best = {}
+    for fmt in formats:
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        for m in (1, 16):
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            for bs in candidates(fmt, m):
+                if time.time() > deadline:
+                    return best
+                try:
+                    ms = median_ms(scan_fn(fmt, bs), x, stacked, repeats=7) / layers
+                except Exception as e:  # noqa: BLE001  (a tile over the shared-memory limit: skip it)
+                    print(f"sweep {fmt} m={m} {bs}: failed {type(e).__name__}", flush=True)
+                    continue
+                print(f"sweep {fmt} m={m} {bs}: {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+                if (fmt, m) not in best or ms < best[fmt, m][0]:
+                    best[fmt, m] = (ms, bs)
+        del stacked
+    return best
+
+
+def copy_ceiling_gb_s() -> float:
+    a = jnp.ones((1 << 28,), jnp.float32)
+    return 2 * a.nbytes / median_ms(jax.jit(lambda v: v * 1.0001), a) / 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--seconds", type=float, default=400)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    start = time.time()
+    key = jax.random.key(0)
+    ceiling = copy_ceiling_gb_s()
+    print(f"copy ceiling {ceiling:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    formats = args.formats.split(",")
+    best = sweep(formats, start + args.seconds / 2, key) if args.sweep else {}
+    for (fmt, m), (ms, bs) in best.items():
+        print(f"best {fmt} m={m}: {bs}", flush=True)
+    rows = []
+    for out, k in SHAPES:
+        for fmt in formats:
+            if time.time() > start + args.seconds:
+                print(f"time limit: {fmt} {out}x{k} not run", flush=True)
+                continue
+            stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+            for m in ROWS:
+                x = jax.random.normal(key, (m, k), jnp.bfloat16)
+                bs = best.get((fmt, 1 if m == 1 else 16), (None, None))[1]
+                ms = median_ms(scan_fn(fmt, bs), x, stacked) / layers
+                xla = xla_separate_ms(fmt, stacked, x) if m == 1 else None
+                rows.append({"format": fmt, "out": out, "in": k, "m": m, "ms": ms, "gb_s": nbytes / ms / 1e6,
+                             "xla_separate_gb_s": nbytes / xla / 1e6 if xla else None, "block_sizes": str(bs)})
+                print(json.dumps(rows[-1]), flush=True)
+            del stacked
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "device": jax.devices()[0].device_kind,
+                                               "best": {f"{f} m={m}": str(b) for (f, m), (_, b) in best.items()},
+                                               "rows": rows}, indent=1))
+    print(f"\n| weights | out x in | rows | in place GB/s | % of copy ({ceiling:.0f} GB/s) | XLA, separate array |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        xla = f"{r['xla_separate_gb_s']:.0f} GB/s" if r["xla_separate_gb_s"] else "-"
+        print(f"| {r['format']} | {r['out']}x{r['in']} | {r['m']} | {r['gb_s']:.0f} | "
+              f"{100 * r['gb_s'] / ceiling:.0f}% | {xla} |")
+
+
+if __name__ == "__main__":
+    main()

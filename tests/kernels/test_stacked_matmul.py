@@ -1,0 +1,97 @@
+"""Decode matmuls that read one layer of a weight stacked over layers in place (dense stacked_gemv, packed
+stacked_quant_matmul, and linear() on a LayerSlice), against float64 products of that layer's stored values.
+Interpreted on CPU, compiled on a GPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+
+from luxjax.ops import backend, linear as linear_mod
+from luxjax.ops.linear import LayerSlice
+from pallas_kernels.dense_gemv import stacked_gemv, stacked_gemv_reference
+from pallas_kernels.quant_matmul import stacked_quant_matmul
+from test_quant_matmul import random_weight
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # of sum |x||w|
+
+
+def stack(weights):
+    return jax.tree.map(lambda *a: jnp.stack(a), *weights)
+
+
+def check(got, x, dense, tol, msg):
+    """|got - x @ dense.T| against sum |x||w| per output, in float64."""
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    want, scale = x64 @ dense.T, np.abs(x64) @ np.abs(dense).T
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert got.shape == want.shape, f"{msg}: shape {got.shape} != {want.shape}"
+    assert np.all(np.isfinite(got)), f"{msg}: non-finite output"
+    err = (np.abs(got - want) / scale).max()
+    assert err <= tol, f"{msg}: max error {err:.3g} of sum|x||w| > {tol:.0e}"
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("out,k", [(48, 80), (64, 1536)])
+def test_stacked_gemv_reads_the_chosen_layer(m, dtype, out, k, seed, interpret):
+    rng = np.random.default_rng(seed)
+    layers = int(rng.integers(2, 5))
+    w = jnp.asarray(rng.standard_normal((layers, out, k)), dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    layer = int(rng.integers(0, layers))
+    got = stacked_gemv(x, w, jnp.int32(layer), interpret=interpret)
+    msg = f"x[{m},{k}] {jnp.dtype(dtype).name} W[{layers},{out},{k}] layer {layer} seed {seed}"
+    assert got.dtype == x.dtype, msg
+    dense = np.asarray(w[layer].astype(jnp.float32), np.float64)
+    check(got, x, dense, TOL[dtype], msg)
+    check(stacked_gemv_reference(x, w, jnp.int32(layer)), x, dense, TOL[dtype], f"{msg} (reference)")
+    wide = stacked_gemv(x, w, jnp.int32(layer), out_dtype=jnp.float32, interpret=interpret)
+    check(wide, x, dense, 2e-5 if dtype == jnp.float32 else 4e-3, f"{msg} (float32 out)")
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 6])
+def test_stacked_quant_matmul_reads_the_chosen_layer(ggml_type, m, seed, interpret):
+    rng = np.random.default_rng(seed)
+    layers, out, k = int(rng.integers(2, 4)), 64, 512
+    pairs = [random_weight(rng, ggml_type, out, k) for _ in range(layers)]
+    stacked = stack([w for w, _ in pairs])
+    assert stacked.shape == (out, k), "a stacked tensor keeps one layer's logical shape"
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    layer = int(rng.integers(0, layers))
+    got = stacked_quant_matmul(x, stacked, jnp.int32(layer), interpret=interpret)
+    check(got, x, pairs[layer][1], TOL[jnp.float32], f"{ggml_type.name} x[{m},{k}] layer {layer}/{layers} seed {seed}")
+
+
+@pytest.mark.parametrize("weight", ["bf16", "IQ4_XS", "Q6_K odd rows"])
+@pytest.mark.parametrize("pallas", [False, True])
+def test_linear_on_layer_slice(monkeypatch, seed, weight, pallas):
+    """linear() on a LayerSlice: the stacked kernel for decode-sized x when Pallas is chosen and the rows fit its
+    tiles; otherwise the layer is sliced and takes the usual path. Same values either way."""
+    rng = np.random.default_rng(seed)
+    layers, k = 3, 256
+    if weight == "bf16":
+        out = 32
+        ws = [jnp.asarray(rng.standard_normal((out, k)), jnp.bfloat16) for _ in range(layers)]
+        dense = [np.asarray(w.astype(jnp.float32), np.float64) for w in ws]
+    else:
+        ggml_type, out = (T.IQ4_XS, 32) if weight == "IQ4_XS" else (T.Q6_K, 45)
+        pairs = [random_weight(rng, ggml_type, out, k) for _ in range(layers)]
+        ws, dense = [w for w, _ in pairs], [d for _, d in pairs]
+    monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    in_place = []
+    real = linear_mod._in_place_linear
+    monkeypatch.setattr(linear_mod, "_in_place_linear", lambda *a: (lambda y: in_place.append(y is not None) or y)(
+        real(*a)))
+    layer = int(rng.integers(0, layers))
+    sliced = LayerSlice(stack(ws), jnp.int32(layer))
+    for rows, kernel_expected in ((1, True), (4, True), (linear_mod._PALLAS_MAX_ROWS + 1, False)):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        got = linear_mod.linear(x, sliced)
+        expect_kernel = pallas and kernel_expected and weight != "Q6_K odd rows"
+        assert in_place[-1] == expect_kernel, f"{weight} rows {rows}: in-place kernel used: {in_place[-1]}"
+        check(got, x, dense[layer], 2e-5, f"{weight} rows {rows} layer {layer} pallas {pallas} seed {seed}")

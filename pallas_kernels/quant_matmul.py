@@ -7,6 +7,7 @@ One kernel, three regimes chosen by the rows M of x:
 - M >= 17 (prefill GEMM): a [BM, BN] output tile per program; W decoded to x's dtype (bf16) in registers.
 Weights never leave their packed planes; the wrapper only reshapes them (free) and permutes x into the order
 the decoders emit values (quant_decode.py). float32 x uses exact float32 products (precision HIGHEST).
+stacked_quant_matmul is the same kernel on a weight stacked over layers, reading one layer in place (decode).
 """
 from __future__ import annotations
 

@@ -192,7 +192,8 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     kernel = functools.partial(
         _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
-        steps=blocks // kb, reduce=reduce, dot_dtype=dot_dtype, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+        steps=blocks // kb, reduce=reduce, dot_dtype=dot_dtype,
+        precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),

@@ -13,6 +13,7 @@ Two regimes by the rows M of x (decode: 1..16):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -72,9 +73,7 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, steps, reduce, 
 
 def supported(x_shape, w_shape, w_dtype) -> bool:
     """Whether stacked_gemv takes x [..., in] @ W[layer].T for W [L, out, in] of this dtype."""
-    m = 1
-    for d in x_shape[:-1]:
-        m *= d
+    m = math.prod(x_shape[:-1])
     return (len(w_shape) == 3 and 0 < m <= MAX_ROWS and jnp.dtype(w_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
             and BlockSizes.get_default(m, w_shape[1], w_shape[2]) is not None)
 

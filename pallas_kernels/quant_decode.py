@@ -107,7 +107,8 @@ _IQ4_POLY = (0.0015860428102314472, 0.03108643926680088, -1.37192702293396, 24.1
 
 def _iq4_table(q: jax.Array) -> jax.Array:
     """IQ4 codebook lookup for 4-bit codes q, in float arithmetic (4 FMAs and a rounding) rather than a gather or
-    a chain of integer selects: integer ops run at half the float32 rate on recent GPUs and bound the GEMV."""
+    a chain of integer selects and shifts (integer ops run at half the float32 rate on recent GPUs). Measured on
+    an H200, the GEMV was about as fast as with the select chain (benchmarks/RESULTS.md, session 4)."""
     x = _u2f(q)
     p = jnp.full_like(x, _IQ4_POLY[0])
     for c in _IQ4_POLY[1:]:

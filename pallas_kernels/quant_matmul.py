@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -141,9 +142,7 @@ def stacked_quant_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array, *, 
 def stacked_supported(x_shape, w: QuantizedTensor) -> bool:
     """Whether stacked_quant_matmul takes x [..., in] @ W[layer].T: a kernel format, 2-D layers, at most
     GEMV_MAX_ROWS rows of x, and output rows that the row tiles divide (stacked planes are never padded)."""
-    m = 1
-    for d in x_shape[:-1]:
-        m *= d
+    m = math.prod(x_shape[:-1])
     if w.ggml_type not in KERNEL_FORMATS or w.ndim != 2 or not 0 < m <= GEMV_MAX_ROWS:
         return False
     return _stacked_block_sizes(w.ggml_type, m, w.shape[0]) is not None

@@ -106,8 +106,7 @@ def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
     hi = x.astype(jnp.bfloat16)
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     rows = math.prod(x.shape[:-1])
-    kernel_sized = isinstance(w, LayerSlice) or isinstance(w, QuantizedTensor)
-    if kernel_sized and rows <= _PALLAS_MAX_ROWS < 2 * rows:  # keep both halves on the kernels
+    if isinstance(w, (LayerSlice, QuantizedTensor)) and rows <= _PALLAS_MAX_ROWS < 2 * rows:  # both on the kernels
         return linear(hi, w, jnp.float32) + linear(lo, w, jnp.float32)
     both = linear(jnp.stack([hi, lo]), w, jnp.float32)
     return both[0] + both[1]

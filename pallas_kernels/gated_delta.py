@@ -7,8 +7,9 @@ stays in registers for the whole sequence and is read and written once.
 Chunked form: the parallel, per-chunk part (the UT transform, a unitriangular solve over 64 rows, and the decay
 products) runs in XLA (luxjax.ops.delta_rule.chunk_inputs): it is batched over all chunks and already matmul
 bound. The kernel does the sequential part, the scan over chunks, which XLA runs as one small loop iteration per
-chunk. Compiled dots use TF32x3 (three TF32 tensor-core products, float32-level error) unless
-BlockSizes.dot_precision = "ieee"; interpreted dots use Precision.HIGHEST like the XLA path.
+chunk; on the way it writes out the state entering one given chunk of each sequence (the DeltaNet cache's
+state at the last 64-token boundary). Compiled dots use TF32x3 (three TF32 tensor-core products, float32-level
+error) unless BlockSizes.dot_precision = "ieee"; interpreted dots use Precision.HIGHEST like the XLA path.
 """
 from __future__ import annotations
 
@@ -76,24 +77,36 @@ def _chunk_scan_kernel(
     intra_ref,  # [B, H, n, C, C] decayed causal q k^T
     cd_ref,  # [B, H, n]          chunk decay
     s0_ref,  # [B, H, dk, dv]
+    block_ref,  # [B] int32       the chunk whose entering state goes to bd_ref (0..n)
     o_ref,  # [B, H, n, C, dv]
     s_ref,  # [B, H, dk, dv]
+    bd_ref,  # [B, H, dk, dv]     the state entering chunk block_ref[b]
     *,
     block_v: int,
     precision,
 ):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
+    n = nv_ref.shape[2]
+    boundary_block = block_ref[b]
 
     _dot = functools.partial(dot, precision=precision)
 
+    def keep_boundary(c, s):
+        @pl.when(c == boundary_block)
+        def _():
+            bd_ref[b, h, :, cols] = s
+
     def step(c, s):  # s [dk, block_v]
+        keep_boundary(c, s)
         v_new = nv_ref[b, h, c, :, cols] - _dot(kc_ref[b, h, c], s, ((1,), (0,)))  # [C, block_v]
         o_ref[b, h, c, :, cols] = _dot(qd_ref[b, h, c], s, ((1,), (0,))) + _dot(intra_ref[b, h, c], v_new,
                                                                                  ((1,), (0,)))
         return s * cd_ref[b, h, c] + _dot(kd_ref[b, h, c], v_new, ((0,), (0,)))
 
-    s_ref[b, h, :, cols] = jax.lax.fori_loop(0, nv_ref.shape[2], step, s0_ref[b, h, :, cols])
+    final = jax.lax.fori_loop(0, n, step, s0_ref[b, h, :, cols])
+    s_ref[b, h, :, cols] = final
+    keep_boundary(n, final)
 
 
 def _check(q, v, state, block_v):
@@ -128,10 +141,11 @@ def gated_delta_recurrent(q, k, v, g, beta, state, *, block_sizes: BlockSizes | 
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_sizes", "interpret", "debug"))
-def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, block_sizes: BlockSizes | None = None,
-                        interpret: bool = False, debug: bool = False):
+def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, boundary_block=None,
+                        block_sizes: BlockSizes | None = None, interpret: bool = False, debug: bool = False):
     """Chunked form (prefill), same arguments and result as gated_delta_recurrent; T padded to a multiple of
-    `chunk` internally (padding carries beta = g = 0)."""
+    `chunk` internally (padding carries beta = g = 0). Given boundary_block ([B] int32, 0..number of chunks), also
+    returns the state entering that chunk, like luxjax.ops.delta_rule.chunk_gated_delta_rule."""
     from luxjax.ops.delta_rule import chunk_inputs
 
     B, H, T, dk = q.shape
@@ -140,17 +154,19 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, block_sizes
     _check(q, v, state, bs.block_v)
     xs = chunk_inputs(q, k, v, g, beta, chunk)
     n = xs[0].shape[2]
-    out, final = pl.pallas_call(
+    block = jnp.full((B,), n, jnp.int32) if boundary_block is None else boundary_block.astype(jnp.int32)
+    state_shape = jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32)
+    out, final, boundary = pl.pallas_call(
         functools.partial(_chunk_scan_kernel, block_v=bs.block_v, precision=_precision(bs, interpret)),
         grid=(B, H, dv // bs.block_v),
-        out_shape=[jax.ShapeDtypeStruct((B, H, n, chunk, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, n, chunk, dv), jnp.float32), state_shape, state_shape],
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         debug=debug,
         name="gated_delta_chunk_scan",
-    )(*xs, state.astype(jnp.float32))
-    return out.reshape(B, H, n * chunk, dv)[:, :, :T], final
+    )(*xs, state.astype(jnp.float32), block)
+    out = out.reshape(B, H, n * chunk, dv)[:, :, :T]
+    return (out, final) if boundary_block is None else (out, final, boundary)
 
 
 def gated_delta_reference(q, k, v, g, beta, state):

@@ -92,35 +92,48 @@ def chunk_inputs(q, k, v, g, beta, chunk: int = 64):
     return new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """Chunked (UT-transform) form. Returns (out [B, H, T, dv], final state)."""
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, *, boundary_block=None):
+    """Chunked (UT-transform) form. Returns (out [B, H, T, dv], final state); given boundary_block ([B] int32, a
+    chunk index from 0 to the number of chunks), also the state entering that chunk of each sequence (the final
+    state at the number of chunks): the DeltaNet layer keeps it to resume prefill on an unchanged chunk grid."""
     B, H, T, _ = q.shape
     dv = v.shape[-1]
+    xs = chunk_inputs(q, k, v, g, beta, chunk)
+    n = xs[0].shape[2]
+    block = jnp.full((B,), n, jnp.int32) if boundary_block is None else boundary_block
+    per_sequence = lambda x: x[:, None, None, None]  # noqa: E731
 
-    def step(s, xs):
-        nv, kc, qd, kd, at, cd = xs
+    def step(carry, xs):
+        s, entering = carry
+        c, nv, kc, qd, kd, at, cd = xs
+        entering = jnp.where(per_sequence(c == block), s, entering)
         v_new = nv - _mm(kc, s)
         out = _mm(qd, s) + _mm(at, v_new)
         s = s * cd[..., None, None] + _mm(jnp.swapaxes(kd, -1, -2), v_new)
-        return s, out
+        return (s, entering), out
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in chunk_inputs(q, k, v, g, beta, chunk))
-    state, out = jax.lax.scan(step, state, xs)
+    chunks = tuple(jnp.moveaxis(x, 2, 0) for x in xs)
+    (state, entering), out = jax.lax.scan(step, (state, state), (jnp.arange(n), *chunks))
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, -1, dv)[:, :, :T]
-    return out, state
+    if boundary_block is None:
+        return out, state
+    return out, state, jnp.where(per_sequence(block == n), state, entering)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool):
-    """The one entry point models call: chunked (prefill) or recurrent (decode) form. The chunked form takes the
-    Pallas scan kernel when luxjax.ops.backend says so (2x XLA on an H200 at T=1012). The recurrent form stays on
-    XLA: its fused elementwise update ran near HBM peak, faster than the Pallas recurrent kernel (29 vs 47 us at
-    B=16, 48 heads)."""
+def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool, boundary_block=None):
+    """The one entry point models call: chunked (prefill) or recurrent (decode) form; `boundary_block` (chunked
+    form only): see chunk_gated_delta_rule. The chunked form takes the Pallas scan kernel when luxjax.ops.backend
+    says so (2x XLA on an H200 at T=1012). The recurrent form stays on XLA: its fused elementwise update ran near
+    HBM peak, faster than the Pallas recurrent kernel (29 vs 47 us at B=16, 48 heads)."""
     if chunked:
         if backend.use_pallas() and _kernel_supported(q, v):
             from pallas_kernels.gated_delta import gated_delta_chunked
 
-            return gated_delta_chunked(q, k, v, g, beta, state, interpret=backend.interpret())
-        return chunk_gated_delta_rule(q, k, v, g, beta, state)
+            return gated_delta_chunked(q, k, v, g, beta, state, boundary_block=boundary_block,
+                                       interpret=backend.interpret())
+        return chunk_gated_delta_rule(q, k, v, g, beta, state, boundary_block=boundary_block)
+    if boundary_block is not None:
+        raise ValueError("boundary_block is an output of the chunked form only")
     return recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 

@@ -1,4 +1,5 @@
-"""Gated DeltaNet kernels vs the XLA recurrent and chunked forms: padded tokens (beta = g = 0), nonzero state."""
+"""Gated DeltaNet kernels vs the XLA recurrent and chunked forms: padded tokens (beta = g = 0), nonzero state, the
+state entering a given chunk (the DeltaNet cache's boundary)."""
 from __future__ import annotations
 
 import jax
@@ -53,13 +54,36 @@ def test_chunked(seed, interpret, dk, dv, T):
             assert err < 5e-5, f"chunked {name} vs XLA {form} {dk=} {dv=} {T=}: rel err {err:.2e}, seed {seed}"
 
 
+@pytest.mark.parametrize("dk,dv,T,blocks", [(64, 64, 131, (0, 3)), (64, 128, 17, (1, 0)), (128, 64, 192, (2, 1)),
+                                             (64, 64, 75, (1, 1))])
+def test_chunked_boundary(seed, interpret, dk, dv, T, blocks):
+    """The state entering chunk blocks[b] of sequence b (0: the initial state; the number of chunks: the final
+    one), from the kernel and from the XLA chunked form, is the recurrent form's state after 64 * blocks[b] tokens."""
+    rng = np.random.default_rng(seed)
+    args = _inputs(rng, 2, 2, T, dk, dv, valid=[T, T - 5])
+    block = jnp.asarray(blocks, jnp.int32)
+    out, state, boundary = gd.gated_delta_chunked(*args, boundary_block=block, interpret=interpret)
+    ref_out, ref_state, ref_boundary = chunk_gated_delta_rule(*args, boundary_block=block)
+    where = f"{dk=} {dv=} {T=} {blocks=}, seed {seed}"
+    for name, x, r in [("out", out, ref_out), ("state", state, ref_state), ("boundary", boundary, ref_boundary)]:
+        err = rel_err(x, r)
+        assert err < 5e-5, f"chunked {name} vs XLA chunked, {where}: rel err {err:.2e}"
+    for b, c in enumerate(blocks):
+        prefix = [x[b : b + 1, :, : 64 * c] for x in args[:5]]
+        _, truth = gd.gated_delta_reference(*prefix, args[5][b : b + 1])
+        for form, x in [("kernel", boundary), ("XLA chunked", ref_boundary)]:
+            err = rel_err(x[b : b + 1], truth)
+            assert err < 5e-5, f"{form} boundary of sequence {b} vs recurrent over {64 * c} tokens, {where}: {err:.2e}"
+
+
 def test_ops_dispatch_chunked(seed, monkeypatch):
     """gated_delta_rule(chunked=True) with the Pallas branch forced on matches the XLA chunked form."""
     from luxjax.ops import backend, delta_rule
 
     monkeypatch.setattr(backend, "use_pallas", lambda: True)
     args = _inputs(np.random.default_rng(seed), 1, 2, 70, 64, 64, valid=[65])
-    out, state = delta_rule.gated_delta_rule(*args, chunked=True)
-    ref_out, ref_state = chunk_gated_delta_rule(*args)
-    err = max(rel_err(out, ref_out), rel_err(state, ref_state))
+    block = jnp.asarray([1], jnp.int32)
+    out, state, boundary = delta_rule.gated_delta_rule(*args, chunked=True, boundary_block=block)
+    ref_out, ref_state, ref_boundary = chunk_gated_delta_rule(*args, boundary_block=block)
+    err = max(rel_err(out, ref_out), rel_err(state, ref_state), rel_err(boundary, ref_boundary))
     assert err < 5e-5, f"dispatch chunked: rel err {err:.2e}, seed {seed}"

@@ -49,7 +49,7 @@ class DecoderLayer(nnx.Module):
         if self.is_attention:
             h, cache = self.mixer(h.astype(dtype), cos, sin, cache, start, valid)
         else:
-            h, cache = self.mixer(h, cache, valid, chunked=chunked, dtype=dtype)
+            h, cache = self.mixer(h, cache, start, valid, chunked=chunked, dtype=dtype)
         x = x + h.astype(jnp.float32)
         return x + self.mlp(self.post_attention_layernorm(x).astype(dtype)).astype(jnp.float32), cache
 

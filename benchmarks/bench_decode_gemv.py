@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from benchmarks.quant_plan import random_packed  # noqa: E402
+from benchmarks.timing import median_ms  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
 from luxjax.ops.linear import _xla_linear  # noqa: E402
 from pallas_kernels import dense_gemv, quant_matmul as qm  # noqa: E402
@@ -35,16 +35,6 @@ SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120)]  # (out, i
 FORMATS = ["bf16", "IQ4_XS", "Q4_K", "Q6_K", "Q5_K", "Q8_0"]
 ROWS = (1, 4, 16)
 STACK_BYTES = 256 * 2**20
-
-
-def median_ms(fn, *args, repeats: int = 15) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def stacked_weight(fmt: str, out: int, k: int, key):

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from benchmarks.quant_plan import random_packed  # noqa: E402
+from benchmarks.timing import median_ms  # noqa: E402
 from pallas_kernels.quant_matmul import stacked_quant_matmul  # noqa: E402
 
 N, K, LAYERS = 17408, 5120, 8
@@ -31,13 +30,7 @@ BLOCKS = K // 256
 
 
 def seconds_per_layer(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) / LAYERS
+    return median_ms(fn, *args, repeats=10) / 1e3 / LAYERS
 
 
 def _load_kernel(layer_ref, q_ref, o_ref, *, block_n, kb, width):

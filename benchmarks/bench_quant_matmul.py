@@ -15,11 +15,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.quant_plan import random_packed  # noqa: E402
+from benchmarks.timing import median_ms  # noqa: E402
 from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
 from luxjax.ops.linear import _xla_linear  # noqa: E402
 from pallas_kernels.quant_matmul import BlockSizes, quant_matmul  # noqa: E402
@@ -37,14 +37,7 @@ def random_weight(key, ggml_type, out, k) -> QuantizedTensor:
 
 
 def median_seconds(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median_ms(fn, *args, repeats=REPS, warmups=2) / 1e3
 
 
 def rotating(impl, n_copies):

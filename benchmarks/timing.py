@@ -7,9 +7,10 @@ import jax
 import numpy as np
 
 
-def median_ms(fn, *args, repeats: int = 15) -> float:
-    """Median wall milliseconds of fn(*args), waiting for the device, after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
+def median_ms(fn, *args, repeats: int = 15, warmups: int = 1) -> float:
+    """Median wall milliseconds of fn(*args), waiting for the device, after `warmups` calls (the first compiles)."""
+    for _ in range(warmups):
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -23,6 +23,7 @@ from luxjax.ops import backend
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
 _PALLAS_MAX_ROWS = 16  # the streaming GEMV regime of quant_matmul
+_KERNEL_X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # x dtypes the matmul kernels take
 
 
 @jax.tree_util.register_dataclass
@@ -60,12 +61,12 @@ def _pallas_linear(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Arra
 def _kernel_applies(x: jax.Array, w: Weight) -> bool:
     return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS and w.ndim == 2
             and 0 < math.prod(x.shape[:-1]) <= _PALLAS_MAX_ROWS
-            and x.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) and backend.use_pallas())
+            and x.dtype in _KERNEL_X_DTYPES and backend.use_pallas())
 
 
 def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array | None:
     """x @ W[layer].T by a stacked kernel reading the layer in place, or None where none applies."""
-    if not backend.use_pallas() or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    if not backend.use_pallas() or x.dtype not in _KERNEL_X_DTYPES:
         return None
     rows = x.reshape(-1, x.shape[-1])
     if isinstance(w.stacked, QuantizedTensor):

@@ -101,7 +101,7 @@ class GatedDeltaNet(nnx.Module):
         xs = jnp.concatenate([cache_conv.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
         xf = xs.astype(jnp.float32)
         out = sum(xf[:, j : j + T, :] * w[:, j] for j in range(kernel)).astype(qkv.dtype)
-        new_conv = jax.vmap(lambda x, n: jax.lax.dynamic_slice_in_dim(x, n, kernel - 1, axis=0))(xs, valid_len)
+        new_conv = take_rows(xs, valid_len, kernel - 1)
         return jax.nn.silu(out.astype(jnp.float32)).astype(qkv.dtype), new_conv
 
     def _expand_key_heads(self, x):

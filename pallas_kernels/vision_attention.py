@@ -2,12 +2,22 @@
 
 Equal segment ids must form contiguous runs (one run per image, -1 for padding). For each block of queries the
 wrapper computes the key range spanned by the runs it touches, so a program reads only the keys of its own
-images. Head dims that are not a power of two (72 for Qwen3.5's tower) are zero-padded for Triton.
+images.
+
+Triton tiles must be powers of two, so a head dim that is not one (72 for Qwen3.5's tower) is split into column
+pieces (head_dim_pieces): the largest power of two <= D, then a tail window of the next power of two >= 16 over
+the rest (72 -> 64 + 16 columns, not 128). Scores add the pieces' dot products; each piece keeps its own output
+accumulator, and the pieces share the softmax's running max and sum (float32, base 2 with the scale folded in).
+The kernel reads the unpadded q, k, v and writes the unpadded output: the tail window runs past column D (into
+the next head's columns, or past the end of the array for the last head) and its loads and stores are masked to
+columns < D. The arrays are viewed as [N, H * D] (a free reshape) so a window starts at h * D + offset: Pallas
+rejects, at trace time, a window whose static start and size overrun a dimension of the ref, masked or not.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import NEG, dot
+
+MIN_PIECE = 16  # narrowest Triton dot operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,47 +43,79 @@ class BlockSizes:
         return cls(block_q=128, block_k=64, num_warps=8, num_stages=3)
 
 
+def head_dim_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(first column, width) of the power-of-two column pieces that cover a head: one piece when head_dim is a
+    power of two (at least MIN_PIECE wide), else the largest power of two <= head_dim and a tail of the next
+    power of two >= MIN_PIECE over the remaining columns."""
+    if head_dim <= MIN_PIECE:
+        return ((0, MIN_PIECE),)
+    main_width = 1 << (head_dim.bit_length() - 1)
+    if main_width == head_dim:
+        return ((0, main_width),)
+    return ((0, main_width), (main_width, max(MIN_PIECE, pl.next_power_of_2(head_dim - main_width))))
+
+
 def _vision_kernel(
-    q_ref,  # [N, H, D]
-    k_ref,  # [N, H, D]
-    v_ref,  # [N, H, D]
+    q_ref,  # [N, H * D]
+    k_ref,  # [N, H * D]
+    v_ref,  # [N, H * D]
     seg_ref,  # [N] int32, -1 = padding
     lo_ref,  # [num_q_blocks] int32: first key any query of the block can see
     hi_ref,  # [num_q_blocks] int32: one past the last such key
-    o_ref,  # [N, H, D]
+    o_ref,  # [N, H * D]
     *,
-    scale: float,
+    head_dim: int,
+    pieces: tuple[tuple[int, int], ...],
+    scale_log2: float,  # softmax scale * log2(e): the softmax runs in base 2
     block_q: int,
     block_k: int,
 ):
     i, h = pl.program_id(0), pl.program_id(1)
-    N, _, head_dim = q_ref.shape
+    N = q_ref.shape[0]
+
+    def window(ref, first_row, num_rows, piece):
+        first_column, width = piece
+        return ref.at[pl.ds(first_row, num_rows), pl.ds(h * head_dim + first_column, width)]
+
+    def mask(row_ok, piece):
+        first_column, width = piece
+        if first_column + width <= head_dim:
+            return row_ok[:, None]
+        return row_ok[:, None] & (first_column + jnp.arange(width) < head_dim)[None, :]
+
+    def load_pieces(ref, first_row, num_rows, row_ok):
+        return [plgpu.load(window(ref, first_row, num_rows, piece), mask=mask(row_ok, piece), other=0.0)
+                for piece in pieces]
+
     rows = i * block_q + jnp.arange(block_q)
     row_ok = rows < N
-    q = plgpu.load(q_ref.at[pl.ds(i * block_q, block_q), h, :], mask=row_ok[:, None], other=0.0)
+    q_pieces = load_pieces(q_ref, i * block_q, block_q, row_ok)
     seg_q = plgpu.load(seg_ref.at[pl.ds(i * block_q, block_q)], mask=row_ok, other=-1)
     first_block = lo_ref[i] // block_k
 
     def body(kb, carry):
-        acc, m, l = carry
-        idx = kb * block_k + jnp.arange(block_k)
-        in_range = idx < N
-        k = plgpu.load(k_ref.at[pl.ds(kb * block_k, block_k), h, :], mask=in_range[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[pl.ds(kb * block_k, block_k), h, :], mask=in_range[:, None], other=0.0)
+        accs, m, l = carry
+        in_range = kb * block_k + jnp.arange(block_k) < N
+        k_pieces = load_pieces(k_ref, kb * block_k, block_k, in_range)
+        v_pieces = load_pieces(v_ref, kb * block_k, block_k, in_range)
         seg_k = plgpu.load(seg_ref.at[pl.ds(kb * block_k, block_k)], mask=in_range, other=-2)
         same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
-        s = jnp.where(same, dot(q, k, ((1,), (1,))) * scale, NEG)  # [block_q, block_k]
+        qk = sum(dot(q, k, ((1,), (1,))) for q, k in zip(q_pieces, k_pieces))  # [block_q, block_k]
+        s = jnp.where(same, qk * scale_log2, NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(same, jnp.exp(s - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + dot(p.astype(v.dtype), v, ((1,), (0,)))
-        return acc, m_new, l * corr + p.sum(axis=1)
+        p = jnp.where(same, jnp.exp2(s - m_new[:, None]), 0.0)
+        corr = jnp.exp2(m - m_new)
+        p_in = p.astype(v_pieces[0].dtype)
+        accs = tuple(acc * corr[:, None] + dot(p_in, v, ((1,), (0,))) for acc, v in zip(accs, v_pieces))
+        return accs, m_new, l * corr + p.sum(axis=1)
 
-    init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(first_block, pl.cdiv(hi_ref[i], block_k), body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # padding rows: l = 0, acc = 0 -> 0
-    plgpu.store(o_ref.at[pl.ds(i * block_q, block_q), h, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    init = (tuple(jnp.zeros((block_q, width), jnp.float32) for _, width in pieces),
+            jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    accs, _, l = jax.lax.fori_loop(first_block, pl.cdiv(hi_ref[i], block_k), body, init)
+    inv_l = 1.0 / jnp.where(l > 0, l, 1.0)  # padding rows: l = 0, acc = 0 -> 0
+    for piece, acc in zip(pieces, accs):
+        plgpu.store(window(o_ref, i * block_q, block_q, piece), (acc * inv_l[:, None]).astype(o_ref.dtype),
+                    mask=mask(row_ok, piece))
 
 
 def _key_ranges(segment_ids, block_q: int):
@@ -94,23 +138,21 @@ def vision_attention(q, k, v, segment_ids, *, scale: float, block_sizes: BlockSi
     N, H, D = q.shape
     if segment_ids.shape != (N,):
         raise ValueError(f"segment_ids shape {segment_ids.shape} must be ({N},)")
-    Dp = max(16, pl.next_power_of_2(D))
-    if Dp != D:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, Dp - D))) for x in (q, k, v))
-    bs = block_sizes or BlockSizes.get_default(Dp)
+    bs = block_sizes or BlockSizes.get_default(D)
     segment_ids = segment_ids.astype(jnp.int32)
     lo, hi = _key_ranges(segment_ids, bs.block_q)
-    kernel = functools.partial(_vision_kernel, scale=scale, block_q=bs.block_q, block_k=bs.block_k)
+    kernel = functools.partial(_vision_kernel, head_dim=D, pieces=head_dim_pieces(D),
+                               scale_log2=scale * math.log2(math.e), block_q=bs.block_q, block_k=bs.block_k)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, bs.block_q), H),
-        out_shape=jax.ShapeDtypeStruct((N, H, Dp), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((N, H * D), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         debug=debug,
         name="vision_attention",
-    )(q, k, v, segment_ids, lo, hi)
-    return out[..., :D]
+    )(q.reshape(N, H * D), k.reshape(N, H * D), v.reshape(N, H * D), segment_ids, lo, hi)
+    return out.reshape(N, H, D)
 
 
 def vision_attention_reference(q, k, v, segment_ids, *, scale: float):

@@ -57,8 +57,20 @@ def test_prefill_rows_past_cache_end(seed, interpret):
     assert err < 2e-5, f"rel err {err:.2e}, seed {seed}"
 
 
+@pytest.mark.parametrize("d,pieces", [(72, ((0, 64), (64, 16))), (80, ((0, 64), (64, 16))), (40, ((0, 32), (32, 16))),
+                                      (24, ((0, 16), (16, 16))), (100, ((0, 64), (64, 64))), (64, ((0, 64),)),
+                                      (16, ((0, 16),)), (8, ((0, 16),))])
+def test_vision_head_dim_pieces(d, pieces):
+    assert va.head_dim_pieces(d) == pieces
+
+
+# Images (segment sizes, each a contiguous run) then padding rows (segment -1); N is odd in every case. The head
+# dims cover a masked 16-column tail (72: Qwen3.5's tower, 40, 24), an exact one (80), powers of two (64, 128) and
+# a head narrower than one piece (8).
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("d,sizes,pad", [(72, (20, 7, 19), 7), (64, (33,), 0), (128, (5, 40), 2)])
+@pytest.mark.parametrize("d,sizes,pad", [(72, (20, 7, 19), 7), (80, (33,), 0), (40, (5, 40), 2),
+                                         (24, (17, 1, 30), 3), (64, (12, 21), 4), (8, (9, 18), 2),
+                                         (128, (5, 40), 2)])
 def test_vision_attention(seed, interpret, dtype, d, sizes, pad):
     rng = np.random.default_rng(seed)
     seg = jnp.asarray(np.concatenate([np.full(n, i) for i, n in enumerate(sizes)] + [np.full(pad, -1)]), jnp.int32)
@@ -67,6 +79,7 @@ def test_vision_attention(seed, interpret, dtype, d, sizes, pad):
     blocks = va.BlockSizes(block_q=16, block_k=16)
     out = va.vision_attention(q, k, v, seg, scale=d**-0.5, block_sizes=blocks, interpret=interpret)
     ref = va.vision_attention_reference(q, k, v, seg, scale=d**-0.5)
+    assert out.shape == q.shape and out.dtype == q.dtype
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"vision {d=} {sizes=} {pad=} {dtype.__name__}: rel err {err:.2e}, seed {seed}"
     assert not np.asarray(out[N - pad:], np.float32).any(), "padding rows must be zero"

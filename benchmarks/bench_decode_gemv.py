@@ -37,11 +37,11 @@ ROWS = (1, 4, 16)
 STACK_BYTES = 256 * 2**20
 
 
-def stacked_weight(fmt: str, out: int, k: int, key):
-    """(stacked weight, layers, bytes per layer) with >= STACK_BYTES in all."""
+def stacked_weight(fmt: str, out: int, k: int, key, stack_bytes: int = STACK_BYTES):
+    """(stacked weight, layers, bytes per layer) with >= stack_bytes in all."""
     if fmt == "bf16":
         per_layer = 2 * out * k
-        layers = max(2, -(-STACK_BYTES // per_layer))
+        layers = max(2, -(-stack_bytes // per_layer))
         return jax.random.normal(key, (layers, out, k), jnp.bfloat16) * 0.02, layers, per_layer
     one = random_packed((out, k), T[fmt], key, jnp.bfloat16)
     layers = max(2, -(-STACK_BYTES // one.nbytes))
@@ -115,6 +115,53 @@ def sweep(formats, deadline: float, key) -> dict:
     return best
 
 
+# The dense products of a Qwen3.5-27B decode step (out, in) and the rows x has there: 1 for the MLP and attention,
+# 2 for the DeltaNet projections (ops.linear.split_linear stacks a float32 input's two bf16 parts).
+DENSE_STACK_BYTES = 2 * 2**30  # a scan of 12 layers of 17408 x 5120: the call's fixed cost is a few percent
+DENSE_DECODE_SHAPES = {1: [(17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120), (5120, 6144)],
+                       2: [(10240, 5120), (6144, 5120), (48, 5120), (5120, 6144)]}
+
+
+def dense_candidates(m: int, out: int, k: int):
+    """Tiles (with K splits for a minimum program count) to try for x [m, k] @ W[out, k].T."""
+    grid = (itertools.product((16, 32), (256, 512), (4, 8)) if m == 1
+            else itertools.product((16, 32), (128, 256), (4,)))
+    for (bn, bk, warps), target in itertools.product(grid, (1, 528, 1056)):
+        if out % bn or k % bk:
+            continue
+        yield dense_gemv.BlockSizes(bn, bk, warps, 3, dense_gemv.split_count(out // bn, k // bk, target))
+
+
+def dense_sweep(deadline: float, key) -> list[dict]:
+    """Every candidate on every decode shape; the fastest per shape first in its group of printed lines."""
+    rows = []
+    for m, shapes in DENSE_DECODE_SHAPES.items():
+        for out, k in shapes:
+            stacked, layers, nbytes = stacked_weight("bf16", out, k, key, DENSE_STACK_BYTES)
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            default = dense_gemv.BlockSizes.get_default(m, out, k)
+            results = []
+            for bs in dict.fromkeys([default, *dense_candidates(m, out, k)]):
+                if time.time() > deadline:
+                    break
+                ms = median_ms(scan_fn("bf16", bs), x, stacked, repeats=7) / layers
+                results.append((ms, bs))
+            results.sort(key=lambda r: r[0])
+            default_ms = next((ms for ms, bs in results if bs == default), float("nan"))
+            for ms, bs in results[:3]:
+                rows.append({"m": m, "out": out, "in": k, "gb_s": nbytes / ms / 1e6, "block_sizes": str(bs),
+                             "default_gb_s": nbytes / default_ms / 1e6})
+                print(json.dumps(rows[-1]), flush=True)
+            del stacked
+    return rows
+
+
+def read_ceiling_gb_s() -> float:
+    """A 2 GiB bf16 array summed: bytes read once per call (the read-only rate a GEMV can approach)."""
+    a = jnp.ones((1 << 30,), jnp.bfloat16)
+    return a.nbytes / median_ms(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), a) / 1e6
+
+
 def copy_ceiling_gb_s() -> float:
     a = jnp.ones((1 << 28,), jnp.float32)
     return 2 * a.nbytes / median_ms(jax.jit(lambda v: v * 1.0001), a) / 1e6
@@ -125,12 +172,20 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--seconds", type=float, default=400)
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--dense-sweep", action="store_true",
+                    help="only sweep the dense kernel's tiles and K splits on the 27B decode shapes")
     ap.add_argument("--json")
     args = ap.parse_args()
     start = time.time()
     key = jax.random.key(0)
     ceiling = copy_ceiling_gb_s()
-    print(f"copy ceiling {ceiling:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    read = read_ceiling_gb_s()
+    print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    if args.dense_sweep:
+        rows = dense_sweep(start + args.seconds, key)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "read_gb_s": read, "rows": rows}, indent=1))
+        return
     formats = args.formats.split(",")
     best = sweep(formats, start + args.seconds / 2, key) if args.sweep else {}
     for (fmt, m), (ms, bs) in best.items():

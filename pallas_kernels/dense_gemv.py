@@ -9,6 +9,10 @@ Two regimes by the rows M of x (decode: 1..16):
 - M == 1: each program owns BN output rows and multiply-adds [BN, BK] tiles in float32 registers along K,
   reduced once at the end (no tensor cores: a GEMV is bound by reading W);
 - 2 <= M <= 16: x padded to 16 rows, one tensor-core dot per [16, BK] x [BK, BN] step.
+Weights with few output rows (a DeltaNet gate projection has 48, a key/value projection 1,024) would give too few
+programs to keep every multiprocessor streaming, and one 5,120-row output gives 160 programs: 1.2 waves on an H200's
+132 multiprocessors. Such shapes split K over `splits` programs per row tile, which write float32 partial sums that
+one small XLA reduction adds up.
 """
 from __future__ import annotations
 
@@ -33,16 +37,30 @@ class BlockSizes:
     block_k: int  # K columns per step
     num_warps: int
     num_stages: int
+    splits: int = 1  # programs sharing one row tile, each over k / splits columns
 
     @classmethod
-    def get_default(cls, m: int, n: int, k: int) -> BlockSizes | None:
-        """Largest power-of-two tiles up to the preferred ones that divide n and k; None if none fits. Preferred:
-        the fastest of a sweep on an H200 (27B shapes, in the decoder's layer scan; bench_decode_gemv.py --sweep)."""
+    def get_default(cls, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes | None:
+        """Largest power-of-two tiles up to the preferred ones that divide every n and k; None if none fits.
+        Preferred: the fastest of a sweep on an H200 (27B shapes, in the decoder's layer scan;
+        bench_decode_gemv.py --dense-sweep). K is split until there are MIN_PROGRAMS programs (or the steps run out)."""
+        ns = n if isinstance(n, tuple) else (n,)
         want_n, want_k = (32, 256) if m == 1 else (32, 128)
-        block_n, block_k = _pow2_divisor(n, want_n), _pow2_divisor(k, want_k)
+        block_n, block_k = _pow2_divisor(math.gcd(*ns), want_n), _pow2_divisor(k, want_k)
         if block_n < (1 if m == 1 else 16) or block_k < 16:
             return None
-        return cls(block_n, block_k, 8 if m == 1 else 4, 3)
+        return cls(block_n, block_k, 8 if m == 1 else 4, 3, split_count(sum(ns) // block_n, k // block_k))
+
+
+MIN_PROGRAMS = 512  # about four waves of an H200's 132 multiprocessors
+
+
+def split_count(row_tiles: int, steps: int, min_programs: int = MIN_PROGRAMS) -> int:
+    """The fewest power-of-two K splits (each a whole number of steps) giving row_tiles * splits >= min_programs."""
+    splits = 1
+    while row_tiles * splits < min_programs and steps % (2 * splits) == 0:
+        splits *= 2
+    return splits
 
 
 def _pow2_divisor(size: int, most: int) -> int:
@@ -52,30 +70,58 @@ def _pow2_divisor(size: int, most: int) -> int:
     return b
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, steps, reduce, dot_dtype):
-    rows = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
+def _kernel(layer_ref, x_ref, *refs, tiles, block_n, block_k, steps, reduce, dot_dtype):
+    """Program (tile, split): row tile `tile` of the weights' outputs side by side (weight i owns tiles[i] of them),
+    K steps split * steps ... of it. o_ref [splits, M, sum N]: partial sums go to row `split` (0 when unsplit)."""
+    *w_refs, o_ref = refs
+    tile, split = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
+    out_rows = pl.ds(pl.multiple_of(tile * block_n, block_n), block_n)
 
-    def step(s, acc):
-        cols = pl.ds(pl.multiple_of(s * block_k, block_k), block_k)
-        w = w_ref[layer, rows, cols]  # [BN, BK]
+    def product(w_ref, rows):
+        def step(s, acc):
+            cols = pl.ds(pl.multiple_of((split * steps + s) * block_k, block_k), block_k)
+            w = w_ref[layer, rows, cols]  # [BN, BK]
+            if reduce:
+                return acc + w.astype(jnp.float32) * x_ref[0, cols].astype(jnp.float32)[None, :]
+            return acc + dot(x_ref[:, cols].astype(dot_dtype), w.astype(dot_dtype), ((1,), (1,)))
+
         if reduce:
-            return acc + w.astype(jnp.float32) * x_ref[0, cols].astype(jnp.float32)[None, :]
-        return acc + dot(x_ref[:, cols].astype(dot_dtype), w.astype(dot_dtype), ((1,), (1,)))
+            acc = lax.fori_loop(0, steps, step, jnp.zeros((block_n, block_k), jnp.float32))
+            o_ref[split, 0, out_rows] = acc.sum(axis=1).astype(o_ref.dtype)
+        else:
+            acc = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+            o_ref[split, :, out_rows] = acc.astype(o_ref.dtype)
 
-    if reduce:
-        acc = lax.fori_loop(0, steps, step, jnp.zeros((block_n, block_k), jnp.float32))
-        o_ref[0, rows] = acc.sum(axis=1).astype(o_ref.dtype)
-    else:
-        acc = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
-        o_ref[:, rows] = acc.astype(o_ref.dtype)
+    if len(w_refs) == 1:
+        product(w_refs[0], out_rows)
+        return
+    first = 0
+    for w_ref, count in zip(w_refs, tiles):
+        @pl.when((tile >= first) & (tile < first + count))
+        def _(w_ref=w_ref, first=first):
+            product(w_ref, pl.ds(pl.multiple_of((tile - first) * block_n, block_n), block_n))
+
+        first += count
+
+
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def supported(x_shape, w_shape, w_dtype) -> bool:
     """Whether stacked_gemv takes x [..., in] @ W[layer].T for W [L, out, in] of this dtype."""
+    return supported_many(x_shape, (w_shape,), (w_dtype,))
+
+
+def supported_many(x_shape, w_shapes, w_dtypes) -> bool:
+    """Whether stacked_gemv_many takes x [..., in] and weights [L, out_i, in] of these shapes and dtypes: one dtype,
+    one L and one in for all, and tiles that divide every out_i."""
     m = math.prod(x_shape[:-1])
-    return (len(w_shape) == 3 and 0 < m <= MAX_ROWS and jnp.dtype(w_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
-            and BlockSizes.get_default(m, w_shape[1], w_shape[2]) is not None)
+    if not 0 < m <= MAX_ROWS or len({jnp.dtype(d) for d in w_dtypes}) != 1 or jnp.dtype(w_dtypes[0]) not in _DTYPES:
+        return False
+    if any(len(s) != 3 for s in w_shapes) or len({(s[0], s[2]) for s in w_shapes}) != 1:
+        return False
+    return BlockSizes.get_default(m, tuple(s[1] for s in w_shapes), w_shapes[0][2]) is not None
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
@@ -83,27 +129,45 @@ def stacked_gemv(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_sizes: B
                  out_dtype=None, interpret: bool = False, debug: bool = False) -> jax.Array:
     """x [M, in] (M <= 16) @ w[layer].T for w [L, out, in] -> [M, out] in out_dtype (default x.dtype), float32
     accumulation; float32 operands get full float32 products."""
+    return stacked_gemv_many(x, (w,), layer, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret,
+                             debug=debug)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
+def stacked_gemv_many(x: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array, *,
+                      block_sizes: BlockSizes | None = None, out_dtype=None, interpret: bool = False,
+                      debug: bool = False) -> tuple[jax.Array, ...]:
+    """(x @ w[layer].T for w in ws) in one kernel launch: the projections of one input (a gate and an up
+    projection, or q, k and v) as one grid over all their row tiles. Each launch leaves multiprocessors idle at its
+    start and in its last wave, and a small projection alone is too few programs to stream at full rate."""
     m, k = x.shape
-    _, n, kw = w.shape
-    if kw != k or not 0 < m <= MAX_ROWS:
-        raise ValueError(f"x {x.shape} @ w[layer].T needs x [M <= {MAX_ROWS}, in] and w [L, out, in]; w is {w.shape}")
-    bs = block_sizes or BlockSizes.get_default(m, n, k)
-    if bs is None or n % bs.block_n or k % bs.block_k:
-        raise ValueError(f"no tiles fit w {w.shape} (block sizes {bs})")
+    if not 0 < m <= MAX_ROWS or any(w.ndim != 3 or w.shape[2] != k or w.shape[0] != ws[0].shape[0] for w in ws):
+        raise ValueError(f"x {x.shape} @ w[layer].T needs x [M <= {MAX_ROWS}, in] and every w [L, out, in]; "
+                         f"got {[w.shape for w in ws]}")
+    if len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"weights of one dtype, got {[w.dtype for w in ws]}")
+    ns = tuple(w.shape[1] for w in ws)
+    bs = block_sizes or BlockSizes.get_default(m, ns, k)
+    if bs is None or any(n % bs.block_n for n in ns) or k % (bs.block_k * bs.splits):
+        raise ValueError(f"no tiles fit weights {[w.shape for w in ws]} (block sizes {bs})")
     reduce = m == 1
     rows = 1 if reduce else MAX_ROWS
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, w.dtype) else x.dtype
-    kernel = functools.partial(_kernel, block_n=bs.block_n, block_k=bs.block_k, steps=k // bs.block_k,
-                               reduce=reduce, dot_dtype=dot_dtype)
+    dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, ws[0].dtype) else x.dtype
+    out_dtype = out_dtype or x.dtype
+    tiles = tuple(n // bs.block_n for n in ns)
+    kernel = functools.partial(_kernel, tiles=tiles, block_n=bs.block_n, block_k=bs.block_k,
+                               steps=k // (bs.block_k * bs.splits), reduce=reduce, dot_dtype=dot_dtype)
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype),
-        grid=(n // bs.block_n,),
+        out_shape=jax.ShapeDtypeStruct((bs.splits, rows, sum(ns)), out_dtype if bs.splits == 1 else jnp.float32),
+        grid=(sum(tiles), bs.splits),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name="stacked_gemv",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w)
-    return y[:m]
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, *ws)
+    y = y[0, :m] if bs.splits == 1 else y[:, :m].sum(axis=0).astype(out_dtype)
+    ends = [sum(ns[: i + 1]) for i in range(len(ns))]
+    return tuple(y[:, end - n : end] for n, end in zip(ns, ends))
 
 
 def stacked_gemv_reference(x: jax.Array, w: jax.Array, layer: jax.Array, out_dtype=None) -> jax.Array:

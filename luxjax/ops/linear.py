@@ -84,6 +84,22 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _fused_in_place_linear(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...] | None:
+    """x @ W[layer].T for several dense LayerSlices of one layer in one kernel launch, or None where it does not
+    apply (packed weights, mixed dtypes or widths, more rows than a decode product, XLA chosen)."""
+    if (len(ws) < 2 or not backend.use_pallas() or x.dtype not in _KERNEL_X_DTYPES
+            or not all(isinstance(w, LayerSlice) and isinstance(w.stacked, jax.Array) for w in ws)):
+        return None
+    from pallas_kernels import dense_gemv
+
+    stacked = tuple(w.stacked for w in ws)
+    if not dense_gemv.supported_many(x.shape, [a.shape for a in stacked], [a.dtype for a in stacked]):
+        return None
+    ys = dense_gemv.stacked_gemv_many(x.reshape(-1, x.shape[-1]), stacked, ws[0].index, out_dtype=out_dtype,
+                                      interpret=backend.interpret())
+    return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+
 def _impl(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     if isinstance(w, LayerSlice):
         y = _in_place_linear(x, w, out_dtype)
@@ -99,18 +115,30 @@ def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     return _impl(x, w, out_dtype)
 
 
+def linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
+    """(linear(x, w, out_dtype) for w in ws): the projections of one input. Decode-sized products of dense layer
+    slices of one dtype run as one kernel launch (dense_gemv.stacked_gemv_many); anything else, one product each."""
+    fused = _fused_in_place_linear(x, tuple(ws), out_dtype)
+    return fused if fused is not None else tuple(_impl(x, w, out_dtype) for w in ws)
+
+
 def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
     """float32 x [..., in] @ W.T for low-precision (bf16 or packed) W at bf16 matmul speed: x is split into its
     bf16 high part and the bf16 rounding of the rest, both go through one bf16 product (stacked as rows, so W is read
     once where the rows allow), and the two float32 results are summed. x keeps about 16 significant bits instead
     of bf16's 8: for the layers whose bf16 input rounding dominates the error (Qwen3.5's DeltaNet)."""
+    return split_linear_many(x, (w,))[0]
+
+
+def split_linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """(split_linear(x, w) for w in ws), through linear_many."""
     hi = x.astype(jnp.bfloat16)
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     rows = math.prod(x.shape[:-1])
-    if isinstance(w, (LayerSlice, QuantizedTensor)) and rows <= _PALLAS_MAX_ROWS < 2 * rows:  # both on the kernels
-        return linear(hi, w, jnp.float32) + linear(lo, w, jnp.float32)
-    both = linear(jnp.stack([hi, lo]), w, jnp.float32)
-    return both[0] + both[1]
+    if any(isinstance(w, (LayerSlice, QuantizedTensor)) for w in ws) and rows <= _PALLAS_MAX_ROWS < 2 * rows:
+        # both parts on the decode kernels: one call each rather than a stack too tall for them
+        return tuple(a + b for a, b in zip(linear_many(hi, ws, jnp.float32), linear_many(lo, ws, jnp.float32)))
+    return tuple(both[0] + both[1] for both in linear_many(jnp.stack([hi, lo]), ws, jnp.float32))
 
 
 def embedding_lookup(w: Weight, ids: jax.Array, dtype) -> jax.Array:

@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
-from pallas_kernels.dense_gemv import stacked_gemv, stacked_gemv_reference
+from pallas_kernels.dense_gemv import BlockSizes, split_count, stacked_gemv, stacked_gemv_reference
 from pallas_kernels.quant_matmul import stacked_quant_matmul
 from test_quant_matmul import check, random_weight
 
@@ -37,6 +37,28 @@ def test_stacked_gemv_reads_the_chosen_layer(m, dtype, out, k, seed, interpret):
     check(stacked_gemv_reference(x, w, jnp.int32(layer)), x, dense, dtype, f"{msg} (reference)")
     wide = stacked_gemv(x, w, jnp.int32(layer), out_dtype=jnp.float32, interpret=interpret)
     check(wide, x, dense, dtype, f"{msg} (float32 out)", tol=2e-5 if dtype == jnp.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("splits", [1, 2, 8])
+def test_stacked_gemv_split_k_sums_every_part(m, splits, seed, interpret):
+    """K split over several programs per row tile (few output rows): the partial sums add up to the product."""
+    rng = np.random.default_rng(seed)
+    layers, out, k = 3, 48, 1024
+    w = jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    layer = int(rng.integers(0, layers))
+    bs = BlockSizes(16, 64, 4, 1, splits)
+    got = stacked_gemv(x, w, jnp.int32(layer), block_sizes=bs, out_dtype=jnp.float32, interpret=interpret)
+    check(got, x, np.asarray(w[layer].astype(jnp.float32), np.float64), jnp.bfloat16,
+          f"x[{m},{k}] W[{layers},{out},{k}] layer {layer} splits {splits} seed {seed}", tol=4e-3)
+
+
+def test_split_count_fills_the_device_within_the_steps():
+    assert split_count(row_tiles=544, steps=20) == 1
+    assert split_count(row_tiles=160, steps=68) == 4  # 5,120 x 17,408 in 32-row tiles: 640 programs
+    assert split_count(row_tiles=3, steps=20) == 4  # stops where the steps no longer split evenly
+    assert split_count(row_tiles=3, steps=64) == 64  # all the steps split, though still short of the target
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
@@ -82,3 +104,36 @@ def test_linear_on_layer_slice(monkeypatch, seed, weight, pallas):
         expect_kernel = pallas and kernel_expected and weight != "Q6_K odd rows"
         assert in_place[-1] == expect_kernel, f"{weight} rows {rows}: in-place kernel used: {in_place[-1]}"
         check(got, x, dense[layer], jnp.float32, f"{weight} rows {rows} layer {layer} pallas {pallas} seed {seed}")
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("pallas", [False, True])
+def test_linear_many_projects_one_input_in_one_launch(monkeypatch, seed, x_dtype, pallas):
+    """linear_many / split_linear_many on dense LayerSlices of one layer: one stacked_gemv_many launch for decode
+    rows when Pallas is chosen (a packed weight among them: one product each), the same values as one linear()
+    per weight, and each output is its own weight's product."""
+    rng = np.random.default_rng(seed)
+    layers, k, outs = 3, 256, (64, 16, 48)
+    ws = [jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16) for out in outs]
+    layer = int(rng.integers(0, layers))
+    dense = [np.asarray(w[layer].astype(jnp.float32), np.float64) for w in ws]
+    monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    launches = []
+    real = linear_mod._fused_in_place_linear
+    monkeypatch.setattr(linear_mod, "_fused_in_place_linear", lambda *a: (
+        lambda y: launches.append(y is not None) or y)(real(*a)))
+    sliced = [LayerSlice(w, jnp.int32(layer)) for w in ws]
+    for rows in (1, 2, linear_mod._PALLAS_MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
+        got = linear_mod.linear_many(x, sliced)
+        assert launches[-1] == (pallas and rows <= linear_mod._PALLAS_MAX_ROWS), f"rows {rows}: fused {launches[-1]}"
+        for y, d, out in zip(got, dense, outs):
+            check(y, x, d, x_dtype, f"{out} rows of {outs}, x[{rows}] layer {layer} pallas {pallas} seed {seed}")
+        if x_dtype == jnp.float32:  # split_linear_many: float32 x, about 16 bits of it through bf16 products
+            for y, d, out in zip(linear_mod.split_linear_many(x, sliced), dense, outs):
+                check(y, x, d, jnp.float32, f"split, {out} rows, x[{rows}] pallas {pallas}", tol=1e-4)
+    packed, _ = random_weight(rng, T.Q8_0, 32, k)
+    mixed = [sliced[0], LayerSlice(stack([packed] * layers), jnp.int32(layer))]
+    linear_mod.linear_many(jnp.ones((1, k), x_dtype), mixed)
+    assert not launches[-1], "a packed weight among them: no fused launch"

@@ -11,6 +11,7 @@ from luxjax.layers.basic import Linear, ZeroCenteredRMSNorm
 from luxjax.layers.rope import apply_rotary
 from luxjax.models.qwen35.config import TextConfig
 from luxjax.ops.attention import cached_attention, write_kv
+from luxjax.ops.linear import linear_many
 
 
 class KVCache(NamedTuple):
@@ -34,11 +35,12 @@ class GatedAttention(nnx.Module):
         """x [B, T, hidden]; cos/sin [B, T, rotary_dim]; start [B] = tokens already cached per sequence;
         valid [B, T]: tokens whose keys/values are written (padding and idle slots leave the cache alone)."""
         B, T, _ = x.shape
-        q_gate = self.q_proj(x).reshape(B, T, self.heads, 2 * self.head_dim)
+        q_gate, k, v = linear_many(x, [p.weight.get_value() for p in (self.q_proj, self.k_proj, self.v_proj)])
+        q_gate = q_gate.reshape(B, T, self.heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
+        k = self.k_norm(k.reshape(B, T, self.kv_heads, self.head_dim))
+        v = v.reshape(B, T, self.kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         cache = KVCache(write_kv(cache.k, k, start, valid), write_kv(cache.v, v, start, valid))

@@ -83,14 +83,18 @@ class Qwen35Backend:
     # --- device work -----------------------------------------------------------------------------------------
     def encode_images(self, image_inputs: ImageInputs) -> jax.Array:
         """Merger output for all images [sum(num_tokens), hidden], images padded to a bucketed patch count."""
+        rows = qwen.encode_images(self.graphdef, self.state, *self.vision_arrays(image_inputs))
+        return rows[: image_inputs.pixel_values.shape[0] // self.merge**2]
+
+    def vision_arrays(self, image_inputs: ImageInputs) -> tuple[jax.Array, ...]:
+        """The tower's inputs on the device: patches padded to a bucketed count, and their layout (vision_layout),
+        sent in one transfer."""
         n = image_inputs.pixel_values.shape[0]
         padded = bucket(n, 64)
         pixels = np.zeros((padded, image_inputs.pixel_values.shape[1]), np.float32)
         pixels[:n] = image_inputs.pixel_values
-        taps, weights, rope_ids, segments = vision_layout(image_inputs.grid_thw, self.cfg.vision, padded)
-        rows = qwen.encode_images(self.graphdef, self.state, jnp.asarray(pixels), jnp.asarray(taps),
-                                  jnp.asarray(weights), jnp.asarray(rope_ids), jnp.asarray(segments))
-        return rows[: n // self.merge**2]
+        layout = vision_layout(image_inputs.grid_thw, self.cfg.vision, padded)
+        return tuple(jax.device_put((pixels, *layout), jax.tree.leaves(self.state)[0].sharding))
 
     def init_cache(self, slots: int, max_len: int):
         """Zeroed caches, committed to the weights' device: uncommitted inputs would make the first jitted call

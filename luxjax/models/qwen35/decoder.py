@@ -15,7 +15,7 @@ from luxjax.layers.rope import interleaved_mrope_axes, inverse_frequencies, mrop
 from luxjax.models.qwen35.attention import GatedAttention, empty_kv_cache
 from luxjax.models.qwen35.config import FULL_ATTENTION, TextConfig
 from luxjax.models.qwen35.deltanet import GatedDeltaNet, empty_deltanet_cache
-from luxjax.ops.linear import LayerSlice, linear
+from luxjax.ops.linear import LayerSlice, linear, linear_many
 
 PREFIX = "model.language_model."
 
@@ -27,7 +27,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(w("down_proj.weight"))
 
     def __call__(self, x):
-        gate, up = self.gate_proj(x).astype(jnp.float32), self.up_proj(x).astype(jnp.float32)
+        gate, up = (y.astype(jnp.float32) for y in linear_many(x, (self.gate_proj.weight.get_value(),
+                                                                   self.up_proj.weight.get_value())))
         return self.down_proj((jax.nn.silu(gate) * up).astype(x.dtype))
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 from luxjax.layers.basic import GatedRMSNorm, Linear, row_sum
 from luxjax.models.qwen35.config import TextConfig
 from luxjax.ops.delta_rule import gated_delta_rule
-from luxjax.ops.linear import split_linear
+from luxjax.ops.linear import linear_many, split_linear_many
 
 
 BLOCK = 64  # the chunked form's block of tokens; prefill keeps the blocks at multiples of BLOCK from token 0
@@ -150,15 +150,11 @@ class GatedDeltaNet(nnx.Module):
         split_linear). Returns float32."""
         B, T, _ = x.shape
         x = x.astype(jnp.float32)
-        if dtype == jnp.float32:
-            project = lambda layer, v: layer(v)  # noqa: E731
-        else:
-            project = lambda layer, v: split_linear(v, layer.weight.get_value())  # noqa: E731
+        project = linear_many if dtype == jnp.float32 else split_linear_many
         valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
-        qkv = project(self.in_proj_qkv, x)
-        z = project(self.in_proj_z, x).reshape(B, T, self.v_heads, self.v_dim)
-        b = project(self.in_proj_b, x)
-        a = project(self.in_proj_a, x)
+        qkv, z, b, a = project(x, [p.weight.get_value() for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                                  self.in_proj_a)])
+        z = z.reshape(B, T, self.v_heads, self.v_dim)
         qkv, new_conv = self._conv(qkv, cache.conv, valid_len)
         key_dim = self.k_heads * self.k_dim
         q = qkv[..., :key_dim].reshape(B, T, self.k_heads, self.k_dim)
@@ -181,7 +177,7 @@ class GatedDeltaNet(nnx.Module):
             out, (state, boundary, pending) = self._decode_rule(tokens, cache, start, valid)
         out = self.norm(out.astype(x.dtype), z).reshape(B, T, self.v_heads * self.v_dim)
         new_cache = DeltaNetCache(new_conv.astype(cache.conv.dtype), state, boundary, pending)
-        return project(self.out_proj, out), new_cache
+        return project(out, [self.out_proj.weight.get_value()])[0], new_cache
 
 
 def place_after_pending(pending, chunk, offset, buffer_rows: int):

@@ -1,0 +1,157 @@
+"""Where the GPU time of a random-weight Qwen3.5 model goes: per-kernel totals from a jax.profiler trace of the
+vision tower, a text prefill, the first token of an image prompt and batch-1 decode steps.
+
+    python benchmarks/profile_model.py --config qwen35-27b --json profile.json
+
+The model is built as in bench_model.py (transformers' random initialisation handed over through DLPack). Each phase
+is compiled first, then traced for a few calls; the table lists the kernels with the most GPU time per call."""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_model import build_torch_model, image_prompt_ids, random_image  # noqa: E402
+from benchmarks.model_configs import CONFIGS  # noqa: E402
+from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
+
+
+def gpu_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
+    """{kernel name: (launches, total µs)} over the GPU streams of the perfetto trace jax.profiler wrote."""
+    path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", "")).upper()}
+    threads = {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu_pids}
+    # A GPU's trace has a line per stream (the kernels) beside lines of XLA ops and modules spanning them.
+    streams = {key for key, name in threads.items() if name.lower().startswith("stream")}
+    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+            totals[e["name"]][0] += 1
+            totals[e["name"]][1] += float(e.get("dur", 0.0))
+    return {name: (n, us) for name, (n, us) in totals.items()}
+
+
+def profile_phase(name: str, fn, calls: int) -> dict:
+    """Compile and warm `fn` (which blocks until its device work is done), then trace `calls` calls."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(calls):
+                fn()
+        kernels = gpu_kernel_times(d)
+    per_call = {k: (n / calls, us / calls) for k, (n, us) in kernels.items()}
+    gpu_ms = sum(us for _, us in per_call.values()) / 1e3
+    top = sorted(per_call.items(), key=lambda kv: -kv[1][1])
+    print(f"\n## {name}: wall {1e3 * wall:.2f} ms per call, GPU kernels {gpu_ms:.2f} ms per call")
+    print("| kernel | launches | ms | share |\n|---|---|---|---|")
+    for k, (n, us) in top[:25]:
+        print(f"| {k[:90]} | {n:.0f} | {us / 1e3:.3f} | {100 * us / 1e3 / max(gpu_ms, 1e-9):.1f}% |")
+    return {"wall_ms": 1e3 * wall, "gpu_ms": gpu_ms,
+            "kernels": [{"name": k, "launches": n, "ms": us / 1e3} for k, (n, us) in top[:80]]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--weights", default="bf16", choices=["bf16", *SCHEMES])
+    ap.add_argument("--prompt-tokens", type=int, default=1012)
+    ap.add_argument("--image-tokens", type=int, default=975)
+    ap.add_argument("--phases", default="vision,prefill,first_token,decode")
+    ap.add_argument("--json", help="write the per-phase tables here")
+    args = ap.parse_args()
+    phases = args.phases.split(",")
+    cfg_dict = CONFIGS[args.config]
+
+    from luxjax.models.qwen35 import model as qwen
+    from luxjax.models.qwen35.config import ModelConfig
+    from luxjax.models.qwen35.load import build
+    from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
+    from luxjax.vision.types import ImageInputs
+
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    torch_model = build_torch_model(cfg_dict, args.dtype, device)
+    tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
+    if args.weights != "bf16":
+        tensors = quantize_at_random(tensors, args.weights, cfg_dict["text_config"]["num_hidden_layers"],
+                                     jnp.dtype(args.dtype))
+    processor = Qwen35ImageProcessor.from_preprocessor_config({
+        "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3})
+    backend = build(ModelConfig.from_hf(cfg_dict), tensors, None, processor, args.dtype, origin=args.config)
+    del tensors, torch_model
+
+    report = {"config": args.config, "weights": args.weights, "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__}
+    pixels, grid = random_image(cfg_dict, args.image_tokens)
+    inputs = ImageInputs(pixels, grid, [int(grid[0].prod() // 4)])
+    if "vision" in phases:
+        to_device = lambda: jax.block_until_ready(backend.vision_arrays(inputs))  # noqa: E731
+        to_device()
+        t = time.perf_counter()
+        on_device = to_device()
+        report["vision_inputs_ms"] = 1e3 * (time.perf_counter() - t)
+        print(f"\nvision inputs laid out and sent to the device: {report['vision_inputs_ms']:.2f} ms")
+        report["vision_tower"] = profile_phase("vision tower (inputs on the device)", lambda: qwen.encode_images(
+            backend.graphdef, backend.state, *on_device).block_until_ready(), 3)
+        report["encode_images"] = profile_phase("encode_images (host inputs)", lambda: backend.encode_images(
+            inputs).block_until_ready(), 3)
+    ids = np.random.default_rng(0).integers(0, cfg_dict["text_config"]["vocab_size"] - 1000,
+                                            args.prompt_tokens).tolist()
+    max_len = 2048
+    state = {"caches": backend.init_cache(1, max_len)}
+    if "prefill" in phases:
+        prompt = backend.prompt_from_ids(ids, None)
+
+        def prefill():
+            logits, state["caches"] = backend.prefill(state["caches"], 0, prompt, None, 0, prompt.num_tokens)
+            logits.block_until_ready()
+
+        report["prefill"] = profile_phase(f"prefill ({args.prompt_tokens} tokens)", prefill, 2)
+    if "first_token" in phases:
+        image_prompt = backend.prompt_from_ids(
+            image_prompt_ids(ids, backend.pad_id, inputs.num_tokens[0], args.prompt_tokens), inputs)
+
+        def first_token():
+            rows = backend.encode_images(inputs)
+            logits, state["caches"] = backend.prefill(state["caches"], 0, image_prompt, rows, 0,
+                                                      image_prompt.num_tokens)
+            logits.block_until_ready()
+
+        report["first_token"] = profile_phase("first token of the image prompt", first_token, 2)
+    if "decode" in phases:
+        state["caches"] = backend.init_cache(1, max_len)
+        tokens, cached, deltas = np.zeros(1, np.int32), np.full(1, args.prompt_tokens, np.int32), np.zeros(1, np.int32)
+
+        def ten_steps():
+            for _ in range(10):
+                logits, state["caches"] = backend.decode(state["caches"], tokens, cached, deltas)
+            logits.block_until_ready()
+
+        report["decode_10_steps_b1"] = profile_phase("10 decode steps, batch 1", ten_steps, 1)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

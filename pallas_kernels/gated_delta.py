@@ -4,7 +4,7 @@ The recurrence acts on each column of the state S [dk, dv] independently (S^T k,
 S^T q all keep columns apart), so programs split dv into blocks: grid (B, H, dv / block_v), the state block
 stays in registers for the whole sequence and is read and written once.
 
-Chunked form: the parallel, per-chunk part (the UT transform, a unitriangular solve over 64 rows, and the decay
+Chunked form: the parallel, per-chunk part (the UT transform, a 64x64 unitriangular inverse, and the decay
 products) runs in XLA (luxjax.ops.delta_rule.chunk_inputs): it is batched over all chunks and already matmul
 bound. The kernel does the sequential part, the scan over chunks, which XLA runs as one small loop iteration per
 chunk; on the way it writes out the state entering one given chunk of each sequence (the DeltaNet cache's

@@ -143,6 +143,7 @@ def sweep_cases(rng):
     seg = jnp.zeros((3900,), jnp.int32)
     qv, kv, vv = (normal(rng, (3900, 16, 72)) for _ in range(3))
     for bs in [vision.BlockSizes(128, 64, 8, 3), vision.BlockSizes(64, 64, 4, 3), vision.BlockSizes(128, 128, 8, 2),
+               vision.BlockSizes(128, 128, 8, 3), vision.BlockSizes(64, 128, 4, 3), vision.BlockSizes(128, 64, 4, 3),
                vision.BlockSizes(128, 32, 4, 3)]:
         t = time_op(lambda q, k, v, s: vision_attention(q, k, v, s, scale=0.1, block_sizes=bs), qv, kv, vv, seg, n=5)
         yield dict(kernel="sweep vision", shape=f"3900 {bs}", pallas_us=t * 1e6, xla_us=float("nan"), metric="",
@@ -167,11 +168,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time alternative BlockSizes")
+    parser.add_argument("--only", help="comma-separated groups to run: decode, prefill, vision, deltanet, sweep")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     print("| kernel | shape | Pallas us | XLA us | speed-up | achieved | of peak |\n|---|---|---|---|---|---|---|")
     groups = (decode_cases, prefill_cases, vision_cases, deltanet_cases) + ((sweep_cases,) if args.sweep else ())
+    if args.only:
+        groups = [g for g in groups if g.__name__.removesuffix("_cases") in args.only.split(",")]
     for cases in groups:
         try:
             for row in cases(rng):

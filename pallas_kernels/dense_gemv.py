@@ -43,16 +43,18 @@ class BlockSizes:
     def get_default(cls, m: int, n: int | tuple[int, ...], k: int) -> BlockSizes | None:
         """Largest power-of-two tiles up to the preferred ones that divide every n and k; None if none fits.
         Preferred: the fastest of a sweep on an H200 (27B shapes, in the decoder's layer scan;
-        bench_decode_gemv.py --dense-sweep). K is split until there are MIN_PROGRAMS programs (or the steps run out)."""
+        bench_decode_gemv.py --dense-sweep: 1 and 2 rows, what batch-1 decode runs; 128-wide K steps for more rows,
+        where 256 measured 10% slower end to end at batch 16). K is split until there are MIN_PROGRAMS programs (or
+        the steps run out)."""
         ns = n if isinstance(n, tuple) else (n,)
-        want_n, want_k = (32, 256) if m == 1 else (32, 128)
+        want_n, want_k = (16, 512) if m == 1 else (32, 256) if m == 2 else (32, 128)
         block_n, block_k = _pow2_divisor(math.gcd(*ns), want_n), _pow2_divisor(k, want_k)
         if block_n < (1 if m == 1 else 16) or block_k < 16:
             return None
         return cls(block_n, block_k, 8 if m == 1 else 4, 3, split_count(sum(ns) // block_n, k // block_k))
 
 
-MIN_PROGRAMS = 512  # about four waves of an H200's 132 multiprocessors
+MIN_PROGRAMS = 264  # two waves of an H200's 132 multiprocessors (more splits measured no faster on 5,120 rows)
 
 
 def split_count(row_tiles: int, steps: int, min_programs: int = MIN_PROGRAMS) -> int:

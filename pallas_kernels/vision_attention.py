@@ -62,6 +62,7 @@ def _vision_kernel(
     seg_ref,  # [N] int32, -1 = padding
     lo_ref,  # [num_q_blocks] int32: first key any query of the block can see
     hi_ref,  # [num_q_blocks] int32: one past the last such key
+    clean_ref,  # [num_q_blocks, 2] int32: key blocks [first, end) that need no mask (_key_ranges)
     o_ref,  # [N, H * D]
     *,
     head_dim: int,
@@ -78,14 +79,21 @@ def _vision_kernel(
         return ref.at[pl.ds(first_row, num_rows), pl.ds(h * head_dim + first_column, width)]
 
     def mask(row_ok, piece):
+        """Rows row_ok (None: all) and, for a window past the head's last column, columns < head_dim."""
         first_column, width = piece
         if first_column + width <= head_dim:
-            return row_ok[:, None]
-        return row_ok[:, None] & (first_column + jnp.arange(width) < head_dim)[None, :]
+            return None if row_ok is None else row_ok[:, None]
+        columns_ok = (first_column + jnp.arange(width) < head_dim)[None, :]
+        return columns_ok if row_ok is None else row_ok[:, None] & columns_ok
 
     def load_pieces(ref, first_row, num_rows, row_ok):
-        return [plgpu.load(window(ref, first_row, num_rows, piece), mask=mask(row_ok, piece), other=0.0)
-                for piece in pieces]
+        def load(piece):
+            piece_mask = mask(row_ok, piece)
+            if piece_mask is None:  # Triton takes no fill value without a mask
+                return plgpu.load(window(ref, first_row, num_rows, piece))
+            return plgpu.load(window(ref, first_row, num_rows, piece), mask=piece_mask, other=0.0)
+
+        return [load(piece) for piece in pieces]
 
     rows = i * block_q + jnp.arange(block_q)
     row_ok = rows < N
@@ -93,33 +101,45 @@ def _vision_kernel(
     seg_q = plgpu.load(seg_ref.at[pl.ds(i * block_q, block_q)], mask=row_ok, other=-1)
     first_block = lo_ref[i] // block_k
 
-    def body(kb, carry):
+    def body(kb, carry, masked: bool):
+        """One block of keys; unmasked blocks (every key in the query block's image) skip the segment test."""
         accs, m, l = carry
-        in_range = kb * block_k + jnp.arange(block_k) < N
+        in_range = kb * block_k + jnp.arange(block_k) < N if masked else None
         k_pieces = load_pieces(k_ref, kb * block_k, block_k, in_range)
         v_pieces = load_pieces(v_ref, kb * block_k, block_k, in_range)
-        seg_k = plgpu.load(seg_ref.at[pl.ds(kb * block_k, block_k)], mask=in_range, other=-2)
-        same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
-        qk = sum(dot(q, k, ((1,), (1,))) for q, k in zip(q_pieces, k_pieces))  # [block_q, block_k]
-        s = jnp.where(same, qk * scale_log2, NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(same, jnp.exp2(s - m_new[:, None]), 0.0)
+        qk = sum(dot(q, k, ((1,), (1,))) for q, k in zip(q_pieces, k_pieces)) * scale_log2  # [block_q, block_k]
+        if masked:
+            seg_k = plgpu.load(seg_ref.at[pl.ds(kb * block_k, block_k)], mask=in_range, other=-2)
+            same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)
+            qk = jnp.where(same, qk, NEG)
+        m_new = jnp.maximum(m, qk.max(axis=1))
+        p = jnp.exp2(qk - m_new[:, None])
+        if masked:
+            p = jnp.where(same, p, 0.0)
         corr = jnp.exp2(m - m_new)
         p_in = p.astype(v_pieces[0].dtype)
         accs = tuple(acc * corr[:, None] + dot(p_in, v, ((1,), (0,))) for acc, v in zip(accs, v_pieces))
         return accs, m_new, l * corr + p.sum(axis=1)
 
-    init = (tuple(jnp.zeros((block_q, width), jnp.float32) for _, width in pieces),
-            jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-    accs, _, l = jax.lax.fori_loop(first_block, pl.cdiv(hi_ref[i], block_k), body, init)
+    masked_body = functools.partial(body, masked=True)
+    carry = (tuple(jnp.zeros((block_q, width), jnp.float32) for _, width in pieces),
+             jnp.full((block_q,), NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    end_block = pl.cdiv(hi_ref[i], block_k)
+    clean_first = jnp.clip(clean_ref[i, 0], first_block, end_block)
+    clean_end = jnp.clip(clean_ref[i, 1], clean_first, end_block)
+    carry = jax.lax.fori_loop(first_block, clean_first, masked_body, carry)
+    carry = jax.lax.fori_loop(clean_first, clean_end, functools.partial(body, masked=False), carry)
+    accs, _, l = jax.lax.fori_loop(clean_end, end_block, masked_body, carry)
     inv_l = 1.0 / jnp.where(l > 0, l, 1.0)  # padding rows: l = 0, acc = 0 -> 0
     for piece, acc in zip(pieces, accs):
         plgpu.store(window(o_ref, i * block_q, block_q, piece), (acc * inv_l[:, None]).astype(o_ref.dtype),
                     mask=mask(row_ok, piece))
 
 
-def _key_ranges(segment_ids, block_q: int):
-    """[lo, hi) key range per query block: from the start of its first query's run to the end of its last's."""
+def _key_ranges(segment_ids, block_q: int, block_k: int):
+    """Per query block: [lo, hi), the keys from the start of its first query's run to the end of its last's; and
+    [num_q_blocks, 2] key blocks [first, end) whose keys all share the image of all its queries, which need no
+    segment mask (most of an image's blocks; none for a query block spanning images or padding)."""
     N = segment_ids.shape[0]
     pos = jnp.arange(N, dtype=jnp.int32)
     changes = segment_ids[1:] != segment_ids[:-1]
@@ -127,7 +147,10 @@ def _key_ranges(segment_ids, block_q: int):
     run_end = jax.lax.cummin(jnp.where(jnp.concatenate([changes, jnp.array([True])]), pos + 1, N), reverse=True)
     first = jnp.arange(0, N, block_q, dtype=jnp.int32)
     last = jnp.minimum(first + block_q, N) - 1
-    return run_start[first], run_end[last]
+    one_image = (run_start[first] == run_start[last]) & (segment_ids[first] >= 0)
+    clean_first = -(-run_start[first] // block_k)
+    clean_end = jnp.where(one_image, jnp.maximum(run_end[first] // block_k, clean_first), clean_first)
+    return run_start[first], run_end[last], jnp.stack([clean_first, clean_end], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret", "debug"))
@@ -140,7 +163,7 @@ def vision_attention(q, k, v, segment_ids, *, scale: float, block_sizes: BlockSi
         raise ValueError(f"segment_ids shape {segment_ids.shape} must be ({N},)")
     bs = block_sizes or BlockSizes.get_default(D)
     segment_ids = segment_ids.astype(jnp.int32)
-    lo, hi = _key_ranges(segment_ids, bs.block_q)
+    lo, hi, clean = _key_ranges(segment_ids, bs.block_q, bs.block_k)
     kernel = functools.partial(_vision_kernel, head_dim=D, pieces=head_dim_pieces(D),
                                scale_log2=scale * math.log2(math.e), block_q=bs.block_q, block_k=bs.block_k)
     out = pl.pallas_call(
@@ -151,7 +174,7 @@ def vision_attention(q, k, v, segment_ids, *, scale: float, block_sizes: BlockSi
         interpret=interpret,
         debug=debug,
         name="vision_attention",
-    )(q.reshape(N, H * D), k.reshape(N, H * D), v.reshape(N, H * D), segment_ids, lo, hi)
+    )(q.reshape(N, H * D), k.reshape(N, H * D), v.reshape(N, H * D), segment_ids, lo, hi, clean)
     return out.reshape(N, H, D)
 
 

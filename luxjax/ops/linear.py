@@ -115,11 +115,24 @@ def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     return _impl(x, w, out_dtype)
 
 
+_FUSED_ROW_TILE = 32  # weights fused in one launch share a row tile; few-row ones (48) would shrink everyone's
+
+
 def linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     """(linear(x, w, out_dtype) for w in ws): the projections of one input. Decode-sized products of dense layer
-    slices of one dtype run as one kernel launch (dense_gemv.stacked_gemv_many); anything else, one product each."""
-    fused = _fused_in_place_linear(x, tuple(ws), out_dtype)
-    return fused if fused is not None else tuple(_impl(x, w, out_dtype) for w in ws)
+    slices of one dtype run as kernel launches over several weights (dense_gemv.stacked_gemv_many): one for those
+    whose rows are multiples of _FUSED_ROW_TILE, one for the rest; anything else, one product each."""
+    ws = tuple(ws)
+    wide = tuple(i for i, w in enumerate(ws) if isinstance(w, LayerSlice) and isinstance(w.stacked, jax.Array)
+                 and w.stacked.shape[1] % _FUSED_ROW_TILE == 0)
+    groups = [wide, tuple(i for i in range(len(ws)) if i not in wide)]
+    out = [None] * len(ws)
+    for group in filter(None, groups):
+        fused = _fused_in_place_linear(x, tuple(ws[i] for i in group), out_dtype)
+        ys = fused if fused is not None else tuple(_impl(x, ws[i], out_dtype) for i in group)
+        for i, y in zip(group, ys):
+            out[i] = y
+    return tuple(out)
 
 
 def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:

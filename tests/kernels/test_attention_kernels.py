@@ -70,7 +70,7 @@ def test_vision_head_dim_pieces(d, pieces):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d,sizes,pad", [(72, (20, 7, 19), 7), (80, (33,), 0), (40, (5, 40), 2),
                                          (24, (17, 1, 30), 3), (64, (12, 21), 4), (8, (9, 18), 2),
-                                         (128, (5, 40), 2)])
+                                         (128, (5, 40), 2), (72, (3, 70, 37), 5)])
 def test_vision_attention(seed, interpret, dtype, d, sizes, pad):
     rng = np.random.default_rng(seed)
     seg = jnp.asarray(np.concatenate([np.full(n, i) for i, n in enumerate(sizes)] + [np.full(pad, -1)]), jnp.int32)
@@ -83,6 +83,22 @@ def test_vision_attention(seed, interpret, dtype, d, sizes, pad):
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"vision {d=} {sizes=} {pad=} {dtype.__name__}: rel err {err:.2e}, seed {seed}"
     assert not np.asarray(out[N - pad:], np.float32).any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("block_q,block_k", [(16, 16), (32, 16), (16, 32)])
+def test_vision_unmasked_key_blocks_are_exactly_the_clean_ones(seed, block_q, block_k):
+    """_key_ranges' unmasked key blocks, against a brute-force check of every (query block, key block) pair: the
+    pair needs no mask iff all its queries and keys lie in one image; the range covers every such block."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 60, size=int(rng.integers(1, 5)))
+    seg = np.concatenate([np.full(n, i) for i, n in enumerate(sizes)] + [np.full(int(rng.integers(0, 9)), -1)])
+    _, _, clean = va._key_ranges(jnp.asarray(seg, jnp.int32), block_q, block_k)
+    N = len(seg)
+    for i, (first, end) in enumerate(np.asarray(clean)):
+        queries = seg[i * block_q : (i + 1) * block_q]
+        want = [kb for kb in range(-(-N // block_k)) if (kb + 1) * block_k <= N and queries.min() >= 0
+                and len(set(queries) | set(seg[kb * block_k : (kb + 1) * block_k])) == 1]
+        assert list(range(first, end)) == want, f"query block {i} of {seg.tolist()}: {first, end} vs {want}"
 
 
 def test_ops_dispatch_to_kernels(seed, monkeypatch):

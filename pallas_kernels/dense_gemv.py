@@ -44,7 +44,7 @@ class BlockSizes:
         """Largest power-of-two tiles up to the preferred ones that divide every n and k; None if none fits.
         Preferred: the fastest of a sweep on an H200 (27B shapes, in the decoder's layer scan;
         bench_decode_gemv.py --dense-sweep: 1 and 2 rows, what batch-1 decode runs; 128-wide K steps for more rows,
-        where 256 measured 10% slower end to end at batch 16). K is split until there are MIN_PROGRAMS programs (or
+        where 256 measured 2% slower end to end at batch 16). K is split until there are MIN_PROGRAMS programs (or
         the steps run out)."""
         ns = n if isinstance(n, tuple) else (n,)
         want_n, want_k = (16, 512) if m == 1 else (32, 256) if m == 2 else (32, 128)

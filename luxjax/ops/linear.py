@@ -84,11 +84,15 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _is_dense_slice(w) -> bool:
+    return isinstance(w, LayerSlice) and isinstance(w.stacked, jax.Array)
+
+
 def _fused_in_place_linear(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...] | None:
     """x @ W[layer].T for several dense LayerSlices of one layer in one kernel launch, or None where it does not
     apply (packed weights, mixed dtypes or widths, more rows than a decode product, XLA chosen)."""
     if (len(ws) < 2 or not backend.use_pallas() or x.dtype not in _KERNEL_X_DTYPES
-            or not all(isinstance(w, LayerSlice) and isinstance(w.stacked, jax.Array) for w in ws)):
+            or not all(_is_dense_slice(w) for w in ws)):
         return None
     from pallas_kernels import dense_gemv
 
@@ -123,8 +127,7 @@ def linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     slices of one dtype run as kernel launches over several weights (dense_gemv.stacked_gemv_many): one for those
     whose rows are multiples of _FUSED_ROW_TILE, one for the rest; anything else, one product each."""
     ws = tuple(ws)
-    wide = tuple(i for i, w in enumerate(ws) if isinstance(w, LayerSlice) and isinstance(w.stacked, jax.Array)
-                 and w.stacked.shape[1] % _FUSED_ROW_TILE == 0)
+    wide = tuple(i for i, w in enumerate(ws) if _is_dense_slice(w) and w.stacked.shape[1] % _FUSED_ROW_TILE == 0)
     groups = [wide, tuple(i for i in range(len(ws)) if i not in wide)]
     out = [None] * len(ws)
     for group in filter(None, groups):

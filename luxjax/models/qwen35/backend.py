@@ -94,13 +94,16 @@ class Qwen35Backend:
         pixels = np.zeros((padded, image_inputs.pixel_values.shape[1]), np.float32)
         pixels[:n] = image_inputs.pixel_values
         layout = vision_layout(image_inputs.grid_thw, self.cfg.vision, padded)
-        return tuple(jax.device_put((pixels, *layout), jax.tree.leaves(self.state)[0].sharding))
+        return tuple(jax.device_put((pixels, *layout), self._weights_sharding()))
 
     def init_cache(self, slots: int, max_len: int):
         """Zeroed caches, committed to the weights' device: uncommitted inputs would make the first jitted call
         compile a second variant once it gets back committed outputs."""
-        sharding = jax.tree.leaves(self.state)[0].sharding
-        return jax.device_put(self._decoder().init_cache(slots, max_len, self.dtype), sharding)
+        return jax.device_put(self._decoder().init_cache(slots, max_len, self.dtype), self._weights_sharding())
+
+    def _weights_sharding(self):
+        """Where the weights live: device inputs are committed there."""
+        return jax.tree.leaves(self.state)[0].sharding
 
     def _decoder(self):
         return nnx.merge(self.graphdef, self.state).text

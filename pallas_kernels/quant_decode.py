@@ -3,7 +3,8 @@
 Each format says how to view its planes (free row-major reshapes of QuantizedTensor.planes, so every load in the
 kernel has a power-of-two size, as Triton requires) and in which order the values of a block come out; the
 wrapper permutes x into that order once, so the kernel never shuffles weights. `pieces` decodes KB blocks of
-BN rows into float32 pieces, each paired with the index of the matching slice of the permuted x.
+BN rows into Pieces: integer-valued float32 values, each paired with the index of the matching slice of the
+permuted x, and their sub-block scales (and offsets).
 
 Values are exact float32 (as in luxjax.checkpoint.quant_formats): small integers become floats by the
 2^23 magic-number trick (integer add/or + one float subtract) instead of int->float conversions, which run at
@@ -12,22 +13,35 @@ Values are exact float32 (as in luxjax.checkpoint.quant_formats): small integers
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from gguf.constants import GGMLQuantizationType as T
 
-from luxjax.checkpoint.quant_formats import IQ4_KVALUES
+from pallas_kernels.fma import fma
 
 MAGIC = 0x4B000000  # float32 bits of 2^23: OR in an integer < 2^23 and subtract 2^23 to get it as a float
 SIGNED_MAGIC = 0x4B400000  # 1.5 * 2^23: add a signed integer in [-2^22, 2^22), subtract 1.5 * 2^23
+ROUND_MAGIC = 12582912.0  # 1.5 * 2^23, where float32 spacing is 1: adding it rounds to an integer
 
 
-def _u2f(v: jax.Array, bias: float = 0.0) -> jax.Array:
+class Magic(NamedTuple):
+    """The magic numbers as values loaded at run time, not literals: an OR with a register folds into the mask
+    before it (one LOP3 on NVIDIA instead of two), and compilers cannot fold the rounding trick's constant additions
+    away (XLA turns (a + (c + M)) - M into a + c). The kernel wrapper passes KERNEL_CONSTANTS."""
+
+    bits: jax.Array  # uint32 MAGIC
+    round: jax.Array  # float32 ROUND_MAGIC
+
+
+KERNEL_CONSTANTS = (MAGIC, 0x4B400000)  # uint32: MAGIC, and the bits of ROUND_MAGIC
+
+
+def _u2f(v: jax.Array, magic: Magic, bias: float = 0.0) -> jax.Array:
     """Unsigned integers < 2^23 -> float32 (v - bias), exact."""
-    f = lax.bitcast_convert_type(v.astype(jnp.uint32) | MAGIC, jnp.float32)
+    f = lax.bitcast_convert_type(v.astype(jnp.uint32) | magic.bits, jnp.float32)
     return f - (8388608.0 + bias)
 
 
@@ -45,6 +59,18 @@ def _iota(shape, dim) -> jax.Array:
     return lax.broadcasted_iota(jnp.uint32, shape, dim)
 
 
+class Piece(NamedTuple):
+    """Part of a tile of weights, w = values * scale + offset, for each (values, x index) term: integer-valued
+    float32 values [BN, KB, *piece] (the x index says which slice of the permuted x block they multiply) and, per
+    group along the last axis (one ggml sub-block, or two halves of one), `scale` and an optional `offset`
+    [BN, KB, *piece[:-1], 1]. The GEMV sums values * x over each group's terms before scaling it, and takes the
+    offset times the group's sum of x, so a weight costs one multiply-add, not two."""
+
+    terms: tuple[tuple[jax.Array, tuple[int, ...]], ...]
+    scale: jax.Array
+    offset: jax.Array | None = None
+
+
 @dataclass(frozen=True)
 class KernelFormat:
     block: int  # values per ggml block
@@ -52,16 +78,18 @@ class KernelFormat:
     x_split: tuple[int, ...]  # one block of x, split into these axes ...
     x_perm: tuple[int, ...]  # ... and transposed into the order the pieces come out
     piece: tuple[int, ...]  # trailing shape of every piece after [BN, KB]
-    pieces: Callable  # (plane refs, block slice) -> [(w [BN, KB, *piece] f32, x index)]
+    pieces: Callable  # (plane refs, block slice, Magic) -> [Piece]
+    has_offset: bool = False  # whether pieces carry offsets (one term each; the kernel then needs x's group sums)
 
 
-def _q8_0(p, sl):
+def _q8_0(p, sl, magic):
     d = _f16(p["d"][:, sl, :])  # [BN, KB, 1]
-    return [(_s2f(p["qs"][:, sl, :]) * d, ())]  # [BN, KB, 32]
+    return [Piece(((_s2f(p["qs"][:, sl, :]), ()),), d)]  # [BN, KB, 32]
 
 
-def _k_quant(p, sl, with_qh: bool):
-    """Q4_K / Q5_K. Sub-block i = 4h + 2g + nib covers qs bytes (h, g, :), low (nib 0) or high nibbles."""
+def _k_quant(p, sl, magic, with_qh: bool):
+    """Q4_K / Q5_K. Sub-block i = 4h + 2g + nib covers qs bytes (h, g, :), low (nib 0) or high nibbles. High
+    nibbles stay in place (16 q, no shift) and their scale is divided by 16, exactly."""
     d, dmin = _f16(p["d"][:, sl, :])[..., None], _f16(p["dmin"][:, sl, :])[..., None]  # [BN, KB, 1, 1]
     out = []
     for h in range(2):
@@ -74,16 +102,20 @@ def _k_quant(p, sl, with_qh: bool):
                 sc, mn = r0 & 0x3F, r1 & 0x3F
             else:
                 sc, mn = (r2 & 0xF) | ((r0 >> 6) << 4), (r2 >> 4) | ((r1 >> 6) << 4)
-            q = (qs >> (4 * nib)) & 0xF
+            scale = d * _u2f(sc, magic)[..., None]
+            offset = -(dmin * _u2f(mn, magic)[..., None])
             if with_qh:
+                q = (qs >> (4 * nib)) & 0xF
                 shift = 4 * h + nib + 2 * _iota((1, 1, 2, 1), 2)
-                q = q | (((qh >> shift) & 1) << 4)
-            w = (d * _u2f(sc)[..., None]) * _u2f(q) - dmin * _u2f(mn)[..., None]
-            out.append((w, (h, nib)))
+                values = _u2f(q | (((qh >> shift) & 1) << 4), magic)
+            else:
+                values = _u2f(qs & (0xF << (4 * nib)), magic)
+                scale = scale * (1.0 / 16**nib)
+            out.append(Piece(((values, (h, nib)),), scale, offset))
     return out
 
 
-def _q6_k(p, sl):
+def _q6_k(p, sl, magic):
     """Value (half, shift, c, j): ql byte (half, c, j) nibble `shift`, qh byte (half, j) bits 4*shift + 2c."""
     d = _f16(p["d"][:, sl, :])[..., None, None]  # [BN, KB, 1, 1, 1]
     out = []
@@ -94,30 +126,32 @@ def _q6_k(p, sl):
             hi = (qh >> (4 * shift + 2 * _iota((1, 1, 2, 1, 1), 2))) & 3
             q = ((ql >> (4 * shift)) & 0xF) | (hi << 4)
             sc = _s2f(p["scales"][:, sl, half, shift])[..., None]  # [BN, KB, 2, 2, 1]
-            out.append(((d * sc) * _u2f(q, 32.0), (half, shift)))
+            out.append(Piece(((_u2f(q, magic, 32.0), (half, shift)),), d * sc))
     return out
 
 
-# IQ4's 16 codebook values as a degree-4 polynomial in the code q that misses none by more than 0.433 (minimax fit),
-# so rounding it to the nearest integer gives the table exactly; float32 Horner error is ~1e-5. q is not shifted and
-# the rounding is floor(p + 0.5), not the 1.5 * 2^23 add-and-subtract: compilers fold chains of constant additions
-# (XLA:CPU turned q - 2^23 - 7.5 into q - (2^23 + 8), and optimised the rounding trick away).
-_IQ4_POLY = (0.0015860428102314472, 0.03108643926680088, -1.37192702293396, 24.173830032348633, -126.56700897216797)
+# IQ4's 16 codebook values as -127 + a degree-4 polynomial in the code q, the minimax fit with that integer constant
+# term: it misses no value by more than 0.440, and float32 Horner adds ~1e-5. Adding ROUND_MAGIC in the last
+# multiply-add rounds to the nearest integer for free; subtracting it again gives the table value exactly.
+_IQ4_POLY = (0.0014480184763669968, 0.03627324849367142, -1.4385637044906616, 24.500598907470703)
+_IQ4_CONSTANT = -127.0
 
 
-def _iq4_table(q: jax.Array) -> jax.Array:
-    """IQ4 codebook lookup for 4-bit codes q, in float arithmetic (4 FMAs and a rounding) rather than a gather or
-    a chain of integer selects and shifts (integer ops run at half the float32 rate on recent GPUs). Measured on
-    an H200, the GEMV was about as fast as with the select chain (benchmarks/RESULTS.md, session 4)."""
-    x = _u2f(q)
-    p = jnp.full_like(x, _IQ4_POLY[0])
-    for c in _IQ4_POLY[1:]:
-        p = p * x + c
-    return jnp.floor(p + 0.5)
+def _iq4_table(q: jax.Array, magic: Magic, unit: int = 1) -> jax.Array:
+    """IQ4 codebook lookup for 4-bit codes held as unit * q (unit 16: a high nibble left in place), in float
+    arithmetic: 4 fused multiply-adds and one subtraction per value, rather than a gather (none in Triton's Pallas)
+    or a chain of integer selects. The coefficients absorb the unit: each Horner step is the unit-1 step scaled by a
+    power of two, so it rounds the same."""
+    x = _u2f(q, magic)
+    p = jnp.full_like(x, _IQ4_POLY[0] / unit**4)
+    for i, c in enumerate(_IQ4_POLY[1:], start=1):
+        p = fma(p, x, c / unit ** (4 - i))
+    return fma(p, x, _IQ4_CONSTANT + magic.round) - magic.round
 
 
-def _iq4_xs(p, sl):
-    """Sub-block g = 2*g2 + gp covers qs bytes (g2, gp, :): low nibbles are values 0..15, high ones 16..31."""
+def _iq4_xs(p, sl, magic):
+    """Sub-block g = 2*g2 + gp covers qs bytes (g2, gp, :): low nibbles are values 0..15, high ones 16..31, one
+    scale for both terms."""
     d = _f16(p["d"][:, sl, :])[..., None]  # [BN, KB, 1, 1]
     sh = p["scales_h"][:, sl, :].astype(jnp.uint32)  # [BN, KB, 1]
     sl_bytes = p["scales_l"][:, sl, :].astype(jnp.uint32)  # [BN, KB, 4]
@@ -125,9 +159,9 @@ def _iq4_xs(p, sl):
     for gp in range(2):
         qs = p["qs"][:, sl, :, gp].astype(jnp.uint32)  # [BN, KB, 4, 16]
         hi = (sh >> (4 * _iota((1, 1, 4), 2) + 2 * gp)) & 3
-        scale = _u2f(((sl_bytes >> (4 * gp)) & 0xF) | (hi << 4), 32.0)[..., None]  # [BN, KB, 4, 1]
-        for nib in range(2):
-            out.append(((d * scale) * _iq4_table((qs >> (4 * nib)) & 0xF), (gp, nib)))
+        scale = d * _u2f(((sl_bytes >> (4 * gp)) & 0xF) | (hi << 4), magic, 32.0)[..., None]  # [BN, KB, 4, 1]
+        low, high = _iq4_table(qs & 0xF, magic), _iq4_table(qs & 0xF0, magic, unit=16)
+        out.append(Piece(((low, (gp, 0)), (high, (gp, 1))), scale))
     return out
 
 
@@ -136,9 +170,9 @@ _K_PLANES = {"d": (1,), "dmin": (1,), "scales": (3, 2, 2), "qs": (2, 2, 32)}
 KERNEL_FORMATS: dict[T, KernelFormat] = {
     T.Q8_0: KernelFormat(32, {"d": (1,), "qs": (32,)}, (32,), (0,), (32,), _q8_0),
     T.Q4_K: KernelFormat(256, _K_PLANES, (2, 2, 2, 32), (0, 2, 1, 3), (2, 32),
-                         lambda p, sl: _k_quant(p, sl, with_qh=False)),
+                         lambda p, sl, magic: _k_quant(p, sl, magic, with_qh=False), has_offset=True),
     T.Q5_K: KernelFormat(256, {**_K_PLANES, "qh": (32,)}, (2, 2, 2, 32), (0, 2, 1, 3), (2, 32),
-                         lambda p, sl: _k_quant(p, sl, with_qh=True)),
+                         lambda p, sl, magic: _k_quant(p, sl, magic, with_qh=True), has_offset=True),
     T.Q6_K: KernelFormat(256, {"ql": (2, 2, 2, 16), "qh": (2, 2, 16), "scales": (2, 2, 2, 2), "d": (1,)},
                          (2, 2, 2, 2, 16), (0, 1, 2, 3, 4), (2, 2, 16), _q6_k),
     T.IQ4_XS: KernelFormat(256, {"d": (1,), "scales_h": (1,), "scales_l": (4,), "qs": (4, 2, 16)},

@@ -1,13 +1,20 @@
 """Fused dequantize-matmul y = x @ W.T for ggml-packed W (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), Pallas on Triton.
 
 One kernel, three regimes chosen by the rows M of x:
-- M == 1 (decode GEMV): each program owns BN output rows and streams their packed blocks once along K,
-  multiply-adding decoded float32 values into a float32 register tile, reduced once at the end;
+- M == 1 (decode GEMV): each program owns BN output rows and streams their packed blocks once along K; each
+  sub-block's integer values times x are summed unscaled, then scaled once into a float32 register tile
+  (offsets times the sub-block's sum of x, precomputed), reduced once at the end;
 - 2 <= M <= 16 (skinny GEMM): the same stream, x padded to 16 rows, one tensor-core `pl.dot` per piece;
+  in both, K is split over several programs where there are too few row tiles to fill the GPU (float32 partial
+  sums, added by XLA);
 - M >= 17 (prefill GEMM): a [BM, BN] output tile per program; W decoded to x's dtype (bf16) in registers.
 Weights never leave their packed planes; the wrapper only reshapes them (free) and permutes x into the order
 the decoders emit values (quant_decode.py). float32 x uses exact float32 products (precision HIGHEST).
 stacked_quant_matmul is the same kernel on a weight stacked over layers, reading one layer in place (decode).
+
+The decode GEMV is bound by instruction issue, not by memory (an H200 profile: 81% of issue slots busy, 28% of
+memory throughput), so the decoders count instructions: fused multiply-adds (pallas_kernels/fma.py), masks ORed
+with a magic number held in a register, high nibbles decoded in place.
 """
 from __future__ import annotations
 
@@ -24,7 +31,9 @@ from jax.experimental.pallas import triton as plgpu
 from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
-from pallas_kernels.quant_decode import KERNEL_FORMATS
+from pallas_kernels.dense_gemv import split_count
+from pallas_kernels.fma import fma
+from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, Magic
 
 GEMV_MAX_ROWS = 16  # x rows up to this use the streaming kernel, more the tiled GEMM
 
@@ -36,6 +45,7 @@ class BlockSizes:
     blocks_k: int  # ggml blocks per K step (lowered to a power of two dividing blocks per row)
     num_warps: int
     num_stages: int
+    splits: int | None = None  # programs sharing one row tile, each over a 1/splits of K (None: enough for the GPU)
 
     @classmethod
     def get_default(cls, ggml_type, m: int) -> BlockSizes:
@@ -79,39 +89,52 @@ class _Rows:
 _WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
 
 
-def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision):
-    # [layer], planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block], o [BM, BN]
-    *plane_refs, x_ref, o_ref = refs
-    block_n = o_ref.shape[1]
+def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset, interpret):
+    # [layer], constants, planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block], [x group sums],
+    # o [1, BM, BN]
+    refs = list(refs)
+    layer_ref = refs.pop(0) if stacked else None
+    const_ref, o_ref = refs.pop(0), refs.pop()
+    xs_ref = refs.pop() if has_offset else None
+    x_ref, plane_refs = refs.pop(), refs
+    block_n = o_ref.shape[-1]
     rows = pl.ds(pl.multiple_of(pl.program_id(1) * block_n, block_n), block_n)
-    if stacked:
-        layer_ref, *plane_refs = plane_refs
-        prefix = (layer_ref[0], rows)
-    else:
-        prefix = (rows,)
+    split = pl.program_id(2)
+    prefix = (layer_ref[0], rows) if stacked else (rows,)
     planes = {name: _Rows(ref, prefix) for name, ref in zip(names, plane_refs)}
+    magic = Magic(const_ref[0], lax.bitcast_convert_type(const_ref[1], jnp.float32))
+    if interpret:  # interpreted, the kernel is XLA ops on a constant input: keep XLA from folding the rounding away
+        magic = Magic(*lax.optimization_barrier(tuple(magic)))
 
-    def step(k, acc):
-        sl = pl.ds(pl.multiple_of(k * kb, kb), kb)
-        for w, xi in pieces(planes, sl):  # w [BN, KB, *piece] f32
-            if reduce:
-                x = x_ref[0, sl, *xi].astype(jnp.float32)  # [KB, *piece]
-                acc = acc + w * x[None]
+    def step(s, acc):
+        sl = pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
+        for pc in pieces(planes, sl, magic):
+            if reduce:  # sum values * x over each sub-block, then scale it (and add offset * sum of x)
+                part = None
+                for values, xi in pc.terms:
+                    x = x_ref[0, sl, *xi].astype(jnp.float32)[None]  # [1, KB, *piece]
+                    part = values * x if part is None else fma(values, x, part)
+                if pc.offset is not None:
+                    acc = fma(pc.offset[..., 0], xs_ref[0, sl, *pc.terms[0][1]][None], acc)
+                acc = fma(jnp.sum(part, axis=-1), pc.scale[..., 0], acc)
             else:
-                x = x_ref[:, sl, *xi]  # [BM, KB, *piece]
-                x = x.reshape(x.shape[0], -1).astype(dot_dtype)
-                acc = acc + lax.dot_general(x, w.reshape(block_n, -1).astype(dot_dtype), (((1,), (1,)), ((), ())),
-                                            precision=precision, preferred_element_type=jnp.float32)
+                for values, xi in pc.terms:
+                    w = values * pc.scale if pc.offset is None else fma(values, pc.scale, pc.offset)
+                    x = x_ref[:, sl, *xi]  # [BM, KB, *piece]
+                    x = x.reshape(x.shape[0], -1).astype(dot_dtype)
+                    acc = acc + lax.dot_general(x, w.reshape(block_n, -1).astype(dot_dtype),
+                                                (((1,), (1,)), ((), ())), precision=precision,
+                                                preferred_element_type=jnp.float32)
         return acc
 
     if reduce:
-        acc = lax.fori_loop(0, steps, step, jnp.zeros((block_n, kb, *piece), jnp.float32))
+        acc = lax.fori_loop(0, steps, step, jnp.zeros((block_n, kb, *piece[:-1]), jnp.float32))
         while acc.ndim > 1:
             acc = acc.sum(axis=-1)
-        o_ref[...] = acc[None, :].astype(o_ref.dtype)
+        o_ref[0] = acc[None, :].astype(o_ref.dtype)
     else:
-        acc = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        acc = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
+        o_ref[0] = acc.astype(o_ref.dtype)
 
 
 def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -187,22 +210,34 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     xp = xp.transpose(0, 1, *(2 + a for a in fmt.x_perm))
     xp = _pad_to(xp, 0, bs.block_m)
     mp, np_ = xp.shape[0], planes[next(iter(planes))].shape[0 if layer is None else 1]
+    x_inputs = [xp]
+    if fmt.has_offset:  # each sub-block's sum of x, for the offsets (Q4_K / Q5_K minimums)
+        xs = xp.astype(jnp.float32).sum(axis=-1)
+        x_inputs.append(xs)
+    splits = bs.splits or (1 if bs.block_m > GEMV_MAX_ROWS else
+                           split_count((mp // bs.block_m) * (np_ // bs.block_n), blocks // kb))
+    if blocks % (kb * splits):
+        raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
 
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    out_dtype = out_dtype or x.dtype
     kernel = functools.partial(
         _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
-        steps=blocks // kb, reduce=reduce, dot_dtype=dot_dtype,
+        steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype, has_offset=fmt.has_offset, interpret=interpret,
         precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+    x_specs = [pl.BlockSpec((bs.block_m, *a.shape[1:]), lambda i, j, s, nd=a.ndim: (i,) + (0,) * (nd - 1))
+               for a in x_inputs]
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),
-        grid=(mp // bs.block_m, np_ // bs.block_n),
-        in_specs=[*(_WHOLE for _ in range(len(planes) + (layer is not None))),
-                  pl.BlockSpec((bs.block_m, *xp.shape[1:]), lambda i, j: (i,) + (0,) * (xp.ndim - 1))],
-        out_specs=pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), out_dtype if splits == 1 else jnp.float32),
+        grid=(mp // bs.block_m, np_ // bs.block_n, splits),
+        in_specs=[*(_WHOLE for _ in range(len(planes) + 1 + (layer is not None))), *x_specs],
+        out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"quant_matmul_{w.ggml_type.name.lower()}",
-    )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]), *planes.values(), xp)
+    )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
+      jnp.asarray(KERNEL_CONSTANTS, jnp.uint32), *planes.values(), *x_inputs)
+    y = y[0] if splits == 1 else y.sum(axis=0).astype(out_dtype)
     return y[:m, :n]
 
 

@@ -6,6 +6,7 @@ the kernels run interpreted; on a GPU (luxjax.ops.backend.interpret() is False) 
 from __future__ import annotations
 
 import gguf.quants
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,6 +74,54 @@ def test_explicit_block_sizes_pad_rows_and_m(ggml_type, seed):
     got = quant_matmul(x, w, block_sizes=BlockSizes(16, 32, 1, 4, 2), interpret=backend.interpret())
     check(got, x, dense, jnp.float32, f"{ggml_type.name} BlockSizes(16, 32, 1) seed {seed}")
     check(quant_matmul_reference(x, w), x, dense, jnp.float32, f"{ggml_type.name} reference seed {seed}")
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.IQ4_XS, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("m,splits", [(1, 2), (1, 4), (5, 2)])
+def test_k_splits_sum_every_part(ggml_type, m, splits, seed):
+    """K split over programs (float32 partial sums added after the kernel): every part counted once, for the GEMV
+    and the skinny dot."""
+    rng = np.random.default_rng(seed)
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    k = 8 * max(block, 64)
+    w, dense = random_weight(rng, ggml_type, 48, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    bs = BlockSizes(1 if m == 1 else 16, 16, 1, 4, 2, splits=splits)
+    got = quant_matmul(x, w, block_sizes=bs, interpret=backend.interpret())
+    check(got, x, dense, jnp.float32, f"{ggml_type.name} x[{m},{k}] {splits} splits seed {seed}")
+
+
+def test_k_splits_must_divide_the_blocks():
+    w, _ = random_weight(np.random.default_rng(0), T.Q8_0, 16, 96)  # 3 blocks
+    with pytest.raises(ValueError, match="splits"):
+        quant_matmul(jnp.ones((1, 96), jnp.float32), w, block_sizes=BlockSizes(1, 16, 1, 4, 2, splits=2),
+                     interpret=True)
+
+
+def test_fma_is_registered_and_rounds_once(seed):
+    """pallas_kernels.fma reaches Pallas's Triton lowering in this JAX (else kernels silently lose their fused
+    multiply-adds), and inside a kernel it is a * b + c: exactly the float64 value rounded once on a GPU, within
+    the rounding of a separate multiply and add when interpreted."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.fma import FUSED, fma
+
+    assert FUSED, "the fma lowering rule could not be registered with this JAX's Pallas Triton lowering"
+    rng = np.random.default_rng(seed)
+    a, b, c = (jnp.asarray(rng.standard_normal((8, 128)), jnp.float32) for _ in range(3))
+
+    def kernel(a_ref, b_ref, c_ref, o_ref):
+        o_ref[...] = fma(a_ref[...], b_ref[...], c_ref[...])
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                         interpret=backend.interpret())(a, b, c)
+    a64, b64, c64 = (np.asarray(v, np.float64) for v in (a, b, c))
+    exact = a64 * b64 + c64
+    if backend.interpret():
+        ulp = np.spacing((np.abs(a64 * b64) + np.abs(c64)).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= ulp), "fma is not a * b + c"
+    else:
+        np.testing.assert_array_equal(np.asarray(got), exact.astype(np.float32))
 
 
 @pytest.mark.parametrize("m", [1, 3, 20])

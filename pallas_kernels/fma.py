@@ -2,8 +2,9 @@
 
 Why: Pallas's Triton lowering emits a multiply and an add as two instructions, and they reach the GPU unfused (an
 H200 profile of the packed GEMV counted 0 fused among 36.8 million float32 instructions), while the decode GEMVs
-are bound by instruction issue. `fma` lowers to MLIR's math.fma there: one FFMA on NVIDIA, one v_fma_f32 on AMD,
-rounded once. Everywhere else (XLA, interpreted kernels) it is a * b + c.
+are bound by instruction issue. `fma` lowers to MLIR's math.fma there: one FFMA on NVIDIA (seen in the H200's
+SASS; on AMD LLVM's fma gives v_fma_f32, not run here), rounded once. Everywhere else (XLA, interpreted kernels)
+it is a * b + c.
 
 The Triton rule is registered through Pallas's private lowering table; if that table moves in a later JAX, `fma`
 falls back to a * b + c (the kernels stay correct, only slower) and `FUSED` says so.

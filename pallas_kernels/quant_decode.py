@@ -36,7 +36,7 @@ class Magic(NamedTuple):
     round: jax.Array  # float32 ROUND_MAGIC
 
 
-KERNEL_CONSTANTS = (MAGIC, 0x4B400000)  # uint32: MAGIC, and the bits of ROUND_MAGIC
+KERNEL_CONSTANTS = (MAGIC, SIGNED_MAGIC)  # uint32: MAGIC, and SIGNED_MAGIC, which are the bits of ROUND_MAGIC
 
 
 def _u2f(v: jax.Array, magic: Magic, bias: float = 0.0) -> jax.Array:

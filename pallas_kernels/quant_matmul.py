@@ -223,8 +223,8 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     out_dtype = out_dtype or x.dtype
     kernel = functools.partial(
         _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
-        steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype, has_offset=fmt.has_offset, interpret=interpret,
-        precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+        steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype, has_offset=fmt.has_offset,
+        interpret=interpret, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     x_specs = [pl.BlockSpec((bs.block_m, *a.shape[1:]), lambda i, j, s, nd=a.ndim: (i,) + (0,) * (nd - 1))
                for a in x_inputs]
     y = pl.pallas_call(

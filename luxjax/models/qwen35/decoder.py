@@ -3,6 +3,7 @@
 with depth. Caches are explicit arrays stacked the same way."""
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import jax
@@ -74,21 +75,35 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def scan_segments(weights, cfg: TextConfig, pattern, repeats: int) -> tuple[tuple[int, int], ...]:
-    """Runs of consecutive pattern repeats whose layers are stored alike. A GGUF quantization mix (e.g. Q4_K_M's
-    Q6_K `ffn_down` in some layers) cannot share one stacked array with its neighbours, so each run gets its own
-    scan; uniform checkpoints give a single run."""
+_SCAN_OVERHEAD = 0.5  # the compile cost of one more scan, in layer-pattern bodies (for choosing segments)
+MAX_GROUP = 4  # most pattern repeats one scan step may hold
+
+
+def scan_segments(weights, cfg: TextConfig, pattern, repeats: int) -> tuple[tuple[int, int, int], ...]:
+    """(first, last, group) runs of pattern repeats [first, last), each one lax.scan whose step holds `group`
+    consecutive repeats. A GGUF quantization mix stores some layers differently (Q4_K_M: Q6_K `ffn_down` on the
+    first and last eighth of the layers and on every third in between), and layers stored differently cannot
+    share a stacked array; but the mix repeats, so a scan step of `group` repeats restores stacking. Chosen to
+    compile the fewest layer bodies (plus a little per scan): a uniform checkpoint gives one run of group 1;
+    Q4_K_M's 64 layers three runs with 5 bodies in all, not 14 runs of one."""
     period = len(pattern)
+    signatures = [tuple(weights.storage_signature(f"{PREFIX}layers.{r * period + j}.") for j in range(period))
+                  for r in range(repeats)]
 
-    def signature(r):
-        return tuple(weights.storage_signature(f"{PREFIX}layers.{r * period + j}.") for j in range(period))
+    def runs_from(first):
+        """(last, group) of every run that may start at `first`: storage periodic with period `group`."""
+        for group in range(1, min(MAX_GROUP, repeats - first) + 1):
+            last = first + group
+            while last + group <= repeats and signatures[last:last + group] == signatures[last - group:last]:
+                last += group
+            for end in range(first + group, last + 1, group):
+                yield end, group
 
-    segments, start = [], 0
-    for r in range(1, repeats + 1):
-        if r == repeats or signature(r) != signature(start):
-            segments.append((start, r))
-            start = r
-    return tuple(segments)
+    best = [(0.0, ())] * (repeats + 1)  # best[r]: (cost, segments) covering repeats [r, repeats)
+    for first in range(repeats - 1, -1, -1):
+        best[first] = min(((group + _SCAN_OVERHEAD + best[end][0], ((first, end, group),) + best[end][1])
+                           for end, group in runs_from(first)), key=lambda c: (c[0], len(c[1])))
+    return best[0][1]
 
 
 class TextDecoder(nnx.Module):
@@ -98,13 +113,14 @@ class TextDecoder(nnx.Module):
         period = len(self.pattern)
         self.embed_tokens = Embedding(weights(PREFIX + "embed_tokens.weight"))
         self.segments = scan_segments(weights, cfg, self.pattern, self.repeats)
-        self.stacks = nnx.List()  # [segment][pattern position] -> layer module with stacked parameters
-        for first, last in self.segments:
+        # [segment][position in its scan step: group x pattern] -> layer module with parameters stacked over steps
+        self.stacks = nnx.List()
+        for first, last, group in self.segments:
             segment = nnx.List()
-            for j, layer_type in enumerate(self.pattern):
+            for g, (j, layer_type) in itertools.product(range(group), enumerate(self.pattern)):
                 layers = [
-                    DecoderLayer(cfg, layer_type, _Scoped(weights, f"{PREFIX}layers.{r * period + j}."))
-                    for r in range(first, last)
+                    DecoderLayer(cfg, layer_type, _Scoped(weights, f"{PREFIX}layers.{(r + g) * period + j}."))
+                    for r in range(first, last, group)
                 ]
                 graphdef, *_ = nnx.split(layers[0])
                 segment.append(nnx.merge(graphdef, _stack([nnx.split(layer)[1] for layer in layers])))
@@ -115,17 +131,18 @@ class TextDecoder(nnx.Module):
         self.lm_head = Linear(head) if head is not None else None
 
     def init_cache(self, batch: int, max_len: int, dtype) -> list:
-        """Per scan segment, one cache per pattern position stacked over the segment's repeats."""
+        """Per scan segment, one cache per position in its scan step, stacked over the segment's steps."""
         caches = []
-        for first, last in self.segments:
+        for first, last, group in self.segments:
             segment = []
-            for layer_type in self.pattern:
+            for layer_type in self.pattern * group:
                 one = (
                     empty_kv_cache(self.cfg, batch, max_len, dtype)
                     if layer_type == FULL_ATTENTION
                     else empty_deltanet_cache(self.cfg, batch)
                 )
-                segment.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (last - first,) + x.shape), one))
+                steps = (last - first) // group
+                segment.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (steps,) + x.shape), one))
             caches.append(segment)
         return caches
 
@@ -150,7 +167,7 @@ class TextDecoder(nnx.Module):
 
     @staticmethod
     def _scan_segment(segment, x, caches, *, weights_in_place: bool = False, **kw):
-        """One lax.scan over the segment's repeats. weights_in_place: the matrices stay stacked and each layer gets
+        """One lax.scan over the segment's steps (each its group of pattern repeats, layer by layer). weights_in_place: the matrices stay stacked and each layer gets
         LayerSlices of them (decode kernels read them in place) instead of the scan's copies of its slices."""
         filters = (MatrixParam, ...) if weights_in_place else (...,)
         split = [nnx.split(stack, *filters) for stack in segment]  # (graphdef, [stacked matrices,] scanned rest)

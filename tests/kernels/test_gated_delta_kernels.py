@@ -87,3 +87,17 @@ def test_ops_dispatch_chunked(seed, monkeypatch):
     ref_out, ref_state, ref_boundary = chunk_gated_delta_rule(*args, boundary_block=block)
     err = max(rel_err(out, ref_out), rel_err(state, ref_state), rel_err(boundary, ref_boundary))
     assert err < 5e-5, f"dispatch chunked: rel err {err:.2e}, seed {seed}"
+
+
+def test_compensated_cumsum_is_correctly_rounded(seed):
+    """The decays' running sums of the chunked form: within half a float32 unit of the exact (float64) sums of the
+    float32 inputs, where a plain float32 running sum drifts by several units."""
+    from luxjax.ops.delta_rule import compensated_cumsum
+
+    rng = np.random.default_rng(seed)
+    g = (-np.log1p(np.exp(rng.standard_normal((3, 5, 4, 64)))) * np.exp(rng.standard_normal((1, 5, 1, 1)))
+         ).astype(np.float32)
+    exact = np.cumsum(g.astype(np.float64), axis=-1)
+    got = np.asarray(jax.jit(compensated_cumsum)(jnp.asarray(g)), np.float64)
+    ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got - exact) <= 0.5 * ulp), f"seed {seed}: {np.max(np.abs(got - exact) / ulp):.2f} ulp"

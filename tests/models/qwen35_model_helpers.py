@@ -365,13 +365,42 @@ def reference(model, case: Case, *, generate: bool = True, image_features: bool 
     return Reference(logits, greedy, steps, features)
 
 
+def float64_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule token by token in the inputs' dtype, with the signature of transformers' torch fallbacks
+    (query/key [B, T, Hk, dk], value [B, T, Hv, dv], g/beta [B, T, Hv]). Those fallbacks cast to float32 inside, so
+    a .double() model would keep float32 DeltaNet arithmetic in its "truth" and share those roundings with its
+    float32 run (which then looks closer to the truth than it is)."""
+    import torch
+
+    heads = value.shape[2]
+    query, key = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (query, key))
+    if use_qk_l2norm_in_kernel:
+        query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
+    query = query / query.shape[-1] ** 0.5
+    state = (torch.zeros(value.shape[0], heads, key.shape[-1], value.shape[-1], dtype=value.dtype)
+             if initial_state is None else initial_state.to(value.dtype))
+    out = torch.zeros_like(value)
+    for t in range(value.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (value[:, t] - torch.einsum("bhkv,bhk->bhv", state, key[:, t])) * beta[:, t, :, None]
+        state = state + key[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, query[:, t])
+    return out, (state if output_final_state else None)
+
+
 def float64_logits(directory: Path, case: Case) -> np.ndarray:
-    """transformers in float64: the truth both float32 programs approximate."""
+    """transformers in float64, its DeltaNet too (float64_delta_rule): the truth both float32 programs approximate."""
+    import sys
+    from unittest import mock
+
     import torch
 
     model = load_reference(directory).double()
+    modeling = sys.modules[type(model).__module__]
     kw = {k: (v.double() if v.dtype == torch.float32 else v) for k, v in _torch_inputs(case).items()}
-    with torch.no_grad():
+    with torch.no_grad(), mock.patch.object(modeling, "torch_chunk_gated_delta_rule", float64_delta_rule), \
+            mock.patch.object(modeling, "torch_recurrent_gated_delta_rule", float64_delta_rule):
         return model(**kw).logits[0].numpy()
 
 

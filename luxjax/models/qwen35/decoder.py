@@ -167,8 +167,9 @@ class TextDecoder(nnx.Module):
 
     @staticmethod
     def _scan_segment(segment, x, caches, *, weights_in_place: bool = False, **kw):
-        """One lax.scan over the segment's steps (each its group of pattern repeats, layer by layer). weights_in_place: the matrices stay stacked and each layer gets
-        LayerSlices of them (decode kernels read them in place) instead of the scan's copies of its slices."""
+        """One lax.scan over the segment's steps (each its group of pattern repeats, layer by layer).
+        weights_in_place: the matrices stay stacked and each layer gets LayerSlices of them (decode kernels read them
+        in place) instead of the scan's copies of its slices."""
         filters = (MatrixParam, ...) if weights_in_place else (...,)
         split = [nnx.split(stack, *filters) for stack in segment]  # (graphdef, [stacked matrices,] scanned rest)
         graphdefs = [g for g, *_ in split]

@@ -134,14 +134,13 @@ class TextDecoder(nnx.Module):
         """Per scan segment, one cache per position in its scan step, stacked over the segment's steps."""
         caches = []
         for first, last, group in self.segments:
-            segment = []
+            segment, steps = [], (last - first) // group
             for layer_type in self.pattern * group:
                 one = (
                     empty_kv_cache(self.cfg, batch, max_len, dtype)
                     if layer_type == FULL_ATTENTION
                     else empty_deltanet_cache(self.cfg, batch)
                 )
-                steps = (last - first) // group
                 segment.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (steps,) + x.shape), one))
             caches.append(segment)
         return caches

@@ -8,6 +8,7 @@ an H200) stay there between iterations: the smallest decode cases measure L2, no
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gated_delta
+from pallas_kernels import dense_gemm, gated_delta
 from pallas_kernels import prefill_attention as prefill
 from pallas_kernels import vision_attention as vision
 
@@ -129,6 +130,40 @@ def deltanet_cases(rng):
                metric="", of_peak=None)
 
 
+GEMM_SHAPES = ((17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (5120, 6144), (1024, 5120))
+GEMM_SWEEP = (dense_gemm.BlockSizes(128, 256, 64, 8, 3), dense_gemm.BlockSizes(128, 256, 64, 8, 4),
+              dense_gemm.BlockSizes(128, 128, 64, 4, 4), dense_gemm.BlockSizes(128, 128, 64, 8, 3),
+              dense_gemm.BlockSizes(128, 256, 64, 8, 3, 2), dense_gemm.BlockSizes(128, 128, 64, 4, 4, 2),
+              dense_gemm.BlockSizes(64, 256, 64, 4, 4), dense_gemm.BlockSizes(256, 128, 64, 8, 3))
+
+
+def gemm_cases(rng, sweep: bool = False):
+    """Prefill GEMMs at M = 1,024 on a 4-layer stack: the in-place kernel against XLA's dot on the layer's slice
+    (what the layer scan runs: a copy, then cuBLAS) and on a separate array (cuBLAS alone)."""
+    m, layers = 1024, 4
+    for n, k in GEMM_SHAPES:
+        w = normal(rng, (layers, n, k))
+        x = normal(rng, (m, k))
+        layer = jnp.int32(2)
+        own = w[2] + 0
+        xla = lambda x, w, i: jnp.dot(x, jax.lax.dynamic_index_in_dim(w, i, 0, False).T)  # noqa: E731
+        t_pl = time_op(lambda x, w, i: dense_gemm.stacked_gemm(x, w, i), x, w, layer, n=10)
+        t_xla = time_op(xla, x, w, layer, n=10)
+        t_own = time_op(lambda x, w: jnp.dot(x, w.T), x, own, n=10)
+        tflops = 2 * m * n * k / t_pl / 1e12
+        yield dict(kernel="prefill GEMM, stacked bf16", shape=f"M={m} {n}x{k} {dense_gemm.BlockSizes.get_default(m, n, k)}",
+                   pallas_us=t_pl * 1e6, xla_us=t_xla * 1e6, xla_own_array_us=t_own * 1e6,
+                   metric=f"{tflops:.0f} TFLOP/s (cuBLAS on its own array {2 * m * n * k / t_own / 1e12:.0f})",
+                   of_peak=tflops / BF16_TFLOPS)
+        for bs in GEMM_SWEEP if sweep else ():
+            if n % bs.block_n or k % (bs.block_k * bs.splits):
+                continue
+            t = time_op(lambda x, w, i: dense_gemm.stacked_gemm(x, w, i, block_sizes=bs), x, w, layer, n=10)
+            yield dict(kernel="sweep prefill GEMM", shape=f"{n}x{k} {bs}", pallas_us=t * 1e6, xla_us=t_xla * 1e6,
+                       metric=f"{2 * m * n * k / t / 1e12:.0f} TFLOP/s", of_peak=None)
+        del w, own
+
+
 def sweep_cases(rng):
     """Per kernel, one shape timed under alternative BlockSizes."""
     q = normal(rng, (1, 1024, HQ, D))
@@ -168,12 +203,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time alternative BlockSizes")
-    parser.add_argument("--only", help="comma-separated groups to run: decode, prefill, vision, deltanet, sweep")
+    parser.add_argument("--only", help="comma-separated groups to run: decode, prefill, gemm, vision, deltanet, sweep")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     print("| kernel | shape | Pallas us | XLA us | speed-up | achieved | of peak |\n|---|---|---|---|---|---|---|")
-    groups = (decode_cases, prefill_cases, vision_cases, deltanet_cases) + ((sweep_cases,) if args.sweep else ())
+    gemm = functools.partial(gemm_cases, sweep=args.sweep)
+    gemm.__name__ = "gemm_cases"
+    groups = (decode_cases, prefill_cases, gemm, vision_cases, deltanet_cases) + ((sweep_cases,) if args.sweep else ())
     if args.only:
         groups = [g for g in groups if g.__name__.removesuffix("_cases") in args.only.split(",")]
     for cases in groups:

@@ -6,10 +6,11 @@ Every variant runs `layers` matmuls y = x @ W_l.T (W_l [17408, 5120], the 27B ML
 layer's input taken from the previous output so nothing is skipped. Variants:
 - scan: `lax.scan` over the stacked weights (how the decoder runs), XLA dot on the scan's slice;
 - separate: a Python loop over per-layer arrays (no slicing);
-- scan_in_place (rows <= 16): the scan with the stacked weights left whole and the layer read in place by the
-  Pallas kernel (luxjax.ops.linear's LayerSlice path), when the kernels are importable;
+- scan_in_place: the scan with the stacked weights left whole and the layer read in place by a Pallas kernel
+  (luxjax.ops.linear's LayerSlice path: the decode GEMVs up to 16 rows, pallas_kernels/dense_gemm.py beyond, bf16
+  only), when the kernels are importable;
 - the same three for random IQ4_XS blocks through the fused dequantize-matmul.
-Achieved bandwidth = weight bytes / time per layer. --hlo-dir writes the optimised HLO of the scan variants.
+Achieved bandwidth = weight bytes / time per layer (TFLOP/s too for more than 16 rows). --hlo-dir writes the optimised HLO of the scan variants.
 """
 from __future__ import annotations
 
@@ -77,16 +78,18 @@ def main():
         for m in (int(r) for r in args.rows.split(",")):
             x = jax.random.normal(key, (m, K), jnp.bfloat16)
             for name, (fn, w) in variants(stacked, separate, linear, LayerSlice).items():
-                if name == "scan_in_place" and m > 16:
+                if name == "scan_in_place" and m > 16 and fmt != "bf16":  # packed prefill slices (XLA path)
                     continue
                 try:
                     ms = median_ms(fn, x, w) / args.layers
                 except Exception as e:  # noqa: BLE001  (report the variant as failed and go on)
                     print(f"| {fmt} | {m} | {name} | failed: {type(e).__name__}: {str(e)[:200]} | |")
                     continue
+                tflops = 2 * m * N * K / ms / 1e9
                 results.append({"weights": fmt, "rows": m, "variant": name, "ms_per_layer": ms,
-                                "gb_s": nbytes / ms / 1e6})
-                print(f"| {fmt} | {m} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |", flush=True)
+                                "gb_s": nbytes / ms / 1e6, "tflop_s": tflops})
+                print(f"| {fmt} | {m} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |"
+                      + (f" {tflops:.0f} TFLOP/s" if m > 16 else ""), flush=True)
                 if args.hlo_dir and name.startswith("scan") and m <= 16:
                     Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                     text = fn.lower(x, w).compile().as_text()

@@ -48,7 +48,7 @@ class BlockSizes:
         the steps run out)."""
         ns = n if isinstance(n, tuple) else (n,)
         want_n, want_k = (16, 512) if m == 1 else (32, 256) if m == 2 else (32, 128)
-        block_n, block_k = _pow2_divisor(math.gcd(*ns), want_n), _pow2_divisor(k, want_k)
+        block_n, block_k = pow2_divisor(math.gcd(*ns), want_n), pow2_divisor(k, want_k)
         if block_n < (1 if m == 1 else 16) or block_k < 16:
             return None
         return cls(block_n, block_k, 8 if m == 1 else 4, 3, split_count(sum(ns) // block_n, k // block_k))
@@ -65,7 +65,8 @@ def split_count(row_tiles: int, steps: int, min_programs: int = MIN_PROGRAMS) ->
     return splits
 
 
-def _pow2_divisor(size: int, most: int) -> int:
+def pow2_divisor(size: int, most: int) -> int:
+    """The largest power of two <= most that divides size (1 at least)."""
     b = most
     while b > 1 and size % b:
         b //= 2

@@ -3,11 +3,13 @@
 `_impl` is the single dispatch point: packed weights in a format with a fused kernel, with at most
 _PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when luxjax.ops.backend chooses Pallas
 (GPU by default, LUXJAX_KERNELS overrides); everything else takes the XLA path, which dequantizes inside the
-jitted graph and is the kernels' oracle. Prefill stays on XLA: the fused GEMM measured 116 TFLOP/s on an H200
+jitted graph and is the kernels' oracle. Packed prefill stays on XLA: the fused GEMM measured 116 TFLOP/s on an H200
 (Q8_0, M=1024) where XLA's dequantize-then-cuBLAS runs near the ~590 TFLOP/s bf16 rate.
 
 A weight may also come as a LayerSlice: one layer of a weight stacked over the scanned layers, not yet sliced.
-Decode-sized products read it in place with the stacked kernels (dense or packed); everything else slices it.
+Decode-sized products read it in place with the stacked kernels (dense or packed), and so do larger products of
+dense 16-bit weights (pallas_kernels/dense_gemm.py: XLA would copy the slice before cuBLAS); everything else
+slices it.
 """
 from __future__ import annotations
 
@@ -76,11 +78,14 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
             return None
         y = kernels.stacked_quant_matmul(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
     else:
-        from pallas_kernels import dense_gemv
+        from pallas_kernels import dense_gemm, dense_gemv
 
-        if not dense_gemv.supported(x.shape, w.stacked.shape, w.stacked.dtype):
+        if dense_gemv.supported(x.shape, w.stacked.shape, w.stacked.dtype):
+            y = dense_gemv.stacked_gemv(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
+        elif dense_gemm.supported(x.shape, w.stacked.shape, x.dtype, w.stacked.dtype):
+            y = dense_gemm.stacked_gemm(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
+        else:
             return None
-        y = dense_gemv.stacked_gemv(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

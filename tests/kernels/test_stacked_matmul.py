@@ -11,6 +11,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
+from pallas_kernels import dense_gemm
 from pallas_kernels.dense_gemv import BlockSizes, split_count, stacked_gemv, stacked_gemv_reference
 from pallas_kernels.quant_matmul import stacked_quant_matmul
 from test_quant_matmul import check, random_weight
@@ -62,6 +63,49 @@ def test_split_count_fills_the_device_within_the_steps():
     assert split_count(row_tiles=3, steps=64, min_programs=512) == 64  # every step its own program, still short
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("out,k", [(48, 80), (256, 512)])
+def test_stacked_gemm_reads_the_chosen_layer(dtype, out, k, seed, interpret):
+    """The prefill-sized product on a stacked weight, at a random row count (x padded to the row tile inside)."""
+    rng = np.random.default_rng(seed)
+    layers, m = int(rng.integers(2, 5)), int(rng.integers(17, 200))
+    w = jnp.asarray(rng.standard_normal((layers, out, k)), dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    layer = int(rng.integers(0, layers))
+    msg = f"x[{m},{k}] {jnp.dtype(dtype).name} W[{layers},{out},{k}] layer {layer} seed {seed}"
+    assert dense_gemm.supported(x.shape, w.shape, x.dtype, w.dtype), msg
+    got = dense_gemm.stacked_gemm(x, w, jnp.int32(layer), interpret=interpret)
+    assert got.dtype == x.dtype, msg
+    dense = np.asarray(w[layer].astype(jnp.float32), np.float64)
+    tol = 2e-3 if dtype == jnp.float16 else None  # the float16 output's rounding; bf16's is TOL's
+    check(got, x, dense, jnp.bfloat16, msg, tol=tol)
+    check(dense_gemm.stacked_gemm_reference(x, w, jnp.int32(layer)), x, dense, jnp.bfloat16, f"{msg} (reference)",
+          tol=tol)
+    wide = dense_gemm.stacked_gemm(x, w, jnp.int32(layer), out_dtype=jnp.float32, interpret=interpret)
+    check(wide, x, dense, dtype, f"{msg} (float32 out)", tol=4e-3)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_stacked_gemm_split_k_sums_every_part(splits, seed, interpret):
+    rng = np.random.default_rng(seed)
+    layers, m, out, k = 2, int(rng.integers(17, 64)), 32, 256
+    w = jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    layer = int(rng.integers(0, layers))
+    bs = dense_gemm.BlockSizes(64, 16, 32, 4, 1, splits)
+    got = dense_gemm.stacked_gemm(x, w, jnp.int32(layer), block_sizes=bs, out_dtype=jnp.float32, interpret=interpret)
+    check(got, x, np.asarray(w[layer].astype(jnp.float32), np.float64), jnp.bfloat16,
+          f"x[{m},{k}] W[{layers},{out},{k}] layer {layer} splits {splits} seed {seed}", tol=4e-3)
+
+
+def test_stacked_gemm_refuses_what_it_cannot_tile():
+    assert not dense_gemm.supported((16, 64), (2, 32, 64), jnp.bfloat16, jnp.bfloat16)  # decode rows: the GEMV's
+    assert not dense_gemm.supported((40, 64), (2, 32, 64), jnp.float32, jnp.bfloat16)  # mixed dtypes
+    assert not dense_gemm.supported((40, 64), (2, 32, 64), jnp.float32, jnp.float32)  # float32 stays on cuBLAS
+    assert not dense_gemm.supported((40, 72), (2, 24, 72), jnp.bfloat16, jnp.bfloat16)  # 24 rows: no 16-row tile
+    assert dense_gemm.supported((2, 20, 64), (2, 48, 64), jnp.bfloat16, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 6])
 def test_stacked_quant_matmul_reads_the_chosen_layer(ggml_type, m, seed, interpret):
@@ -99,12 +143,15 @@ def test_linear_on_layer_slice(monkeypatch, seed, weight, pallas):
         real(*a)))
     layer = int(rng.integers(0, layers))
     sliced = LayerSlice(stack(ws), jnp.int32(layer))
-    for rows, kernel_expected in ((1, True), (4, True), (linear_mod._PALLAS_MAX_ROWS + 1, False)):
-        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    prefill_rows = int(rng.integers(linear_mod._PALLAS_MAX_ROWS + 1, 100))
+    cases = [(1, jnp.float32, True), (4, jnp.float32, True), (prefill_rows, jnp.float32, False),
+             (prefill_rows, jnp.bfloat16, weight == "bf16")]  # the in-place GEMM: dense weight and x of one dtype
+    for rows, x_dtype, kernel_expected in cases:
+        x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
         got = linear_mod.linear(x, sliced)
         expect_kernel = pallas and kernel_expected and weight != "Q6_K odd rows"
         assert in_place[-1] == expect_kernel, f"{weight} rows {rows}: in-place kernel used: {in_place[-1]}"
-        check(got, x, dense[layer], jnp.float32, f"{weight} rows {rows} layer {layer} pallas {pallas} seed {seed}")
+        check(got, x, dense[layer], x_dtype, f"{weight} rows {rows} layer {layer} pallas {pallas} seed {seed}")
 
 
 @pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)

@@ -6,7 +6,6 @@ import os
 import secrets
 
 import jax
-import numpy as np
 import pytest
 
 
@@ -18,9 +17,3 @@ def seed() -> int:
 @pytest.fixture
 def interpret() -> bool:
     return jax.default_backend() != "gpu"
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(out).all(), "non-finite output"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

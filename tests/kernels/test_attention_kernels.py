@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from kernel_helpers import rel_err
 
 from pallas_kernels import decode_attention as da
 from pallas_kernels import prefill_attention as pa
@@ -83,6 +83,26 @@ def test_vision_attention(seed, interpret, dtype, d, sizes, pad):
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"vision {d=} {sizes=} {pad=} {dtype.__name__}: rel err {err:.2e}, seed {seed}"
     assert not np.asarray(out[N - pad:], np.float32).any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vision_attention_scores_rising_across_key_blocks(seed, interpret, dtype):
+    """Keys whose norms grow along the sequence: rows' running maxima rise by ~200 (base 2) over later key blocks
+    (both images, masked and unmasked blocks), so the online softmax must rescale mid-loop; without it the
+    probabilities overflow float32 (a kernel rescaling only at the first block failed here)."""
+    rng = np.random.default_rng(seed)
+    d, sizes, pad = 72, (70, 45), 3
+    seg = jnp.asarray(np.concatenate([np.full(n, i) for i, n in enumerate(sizes)] + [np.full(pad, -1)]), jnp.int32)
+    N, H = seg.shape[0], 2
+    ramp = np.linspace(0.2, 40.0, N)[:, None, None]  # late scores reach ~200 in base 2: 2^200 overflows float32
+    q = _normal(rng, (N, H, d), dtype)
+    k = jnp.asarray(rng.standard_normal((N, H, d)) * ramp, dtype)
+    v = _normal(rng, (N, H, d), dtype)
+    blocks = va.BlockSizes(block_q=16, block_k=16)
+    out = va.vision_attention(q, k, v, seg, scale=d**-0.5, block_sizes=blocks, interpret=interpret)
+    ref = va.vision_attention_reference(q, k, v, seg, scale=d**-0.5)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"rising scores {dtype.__name__}: rel err {err:.2e}, seed {seed}"
 
 
 @pytest.mark.parametrize("block_q,block_k", [(16, 16), (32, 16), (16, 32)])

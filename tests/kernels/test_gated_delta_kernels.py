@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from kernel_helpers import rel_err
 
 from luxjax.ops.delta_rule import chunk_gated_delta_rule
 from pallas_kernels import gated_delta as gd

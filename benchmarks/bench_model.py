@@ -82,7 +82,7 @@ def measure_transformers(model, prompt_tokens, decode_steps, batches, image_grid
             # too few steps to time apart from the first token reads as nan, not as a huge rate
             results[f"decode_b{b}_tok_s"] = b * decode_steps / (tn - t1) if tn > t1 else float("nan")
         pixels, grid = image_grid
-        pv = torch.from_numpy(pixels).to(device=device, dtype=model.dtype)
+        pv = torch.from_numpy(np.asarray(pixels)).to(device=device, dtype=model.dtype)  # on the device, untimed
         g = torch.from_numpy(grid).to(device)
         results["vision_s"] = timed(lambda: sync(model.model.visual(pv, grid_thw=g)), repeats=3)
         image_ids = image_prompt_ids(ids[0].tolist(), model.config.image_token_id, int(grid[0].prod() // 4),
@@ -95,16 +95,20 @@ def measure_transformers(model, prompt_tokens, decode_steps, batches, image_grid
 
 
 def random_image(cfg_dict, image_tokens: int):
-    """A random-pixel image input whose merged grid is near-square with `image_tokens` tokens."""
+    """A random-pixel image's preprocessed form (PatchCodes, as luxjax's processor hands it to the backend: uint8
+    pixels in patch order and the rescale + normalize table) whose merged grid is near-square with `image_tokens`
+    tokens, and its grid."""
+    from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
+    from luxjax.vision.patch_codes import PatchCodes
+
     rows = int(np.sqrt(image_tokens))
     while image_tokens % rows:
         rows -= 1
     cols = image_tokens // rows
     v = cfg_dict["vision_config"]
-    patches = 4 * image_tokens
-    dim = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2
-    pixels = np.random.default_rng(0).standard_normal((patches, dim), dtype=np.float32)
-    return pixels, np.array([[1, 2 * rows, 2 * cols]], dtype=np.int64)
+    codes = np.random.default_rng(0).integers(0, 256, (4 * image_tokens, 3, v["patch_size"] ** 2), dtype=np.uint8)
+    table = Qwen35ImageProcessor(patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"])._lookup
+    return PatchCodes(codes, table, v["temporal_patch_size"]), np.array([[1, 2 * rows, 2 * cols]], dtype=np.int64)
 
 
 def measure_luxjax(backend, prompt_tokens, decode_steps, batches, image_grid, vocab):

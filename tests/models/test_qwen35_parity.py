@@ -139,3 +139,6 @@ def test_random_checkpoint_own_preprocessing(random_models, name):
         np.testing.assert_array_equal(inputs.grid_thw, case.grid_thw, err_msg=model.where(n))
         assert inputs.num_tokens == case.num_tokens_per_image, model.where(n)
         assert max_abs(inputs.pixel_values, case.pixel_values) == 0.0, model.where(n)
+        # the server's path: these inputs (patch codes, expanded on the device) through the tower
+        diff = max_abs(model.lux.encode_images(inputs), model.ref(n).image_features)
+        assert diff <= FEATURES_TOL, f"{model.where(n)}: merger output from luxjax's own inputs differs by {diff:.3g}"

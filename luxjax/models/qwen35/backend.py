@@ -15,6 +15,7 @@ from luxjax.models.qwen35.prompt import IMAGE_MARKERS, build_prompt, prompt_from
 from luxjax.models.qwen35.vision_tower import vision_layout
 from luxjax.vision.limits import ImageLimits
 from luxjax.vision.messages import parse_messages
+from luxjax.vision.patch_codes import PatchCodes, expand_on_device
 from luxjax.vision.types import ImageInputs
 
 
@@ -84,17 +85,21 @@ class Qwen35Backend:
     def encode_images(self, image_inputs: ImageInputs) -> jax.Array:
         """Merger output for all images [sum(num_tokens), hidden], images padded to a bucketed patch count."""
         rows = qwen.encode_images(self.graphdef, self.state, *self.vision_arrays(image_inputs))
-        return rows[: image_inputs.pixel_values.shape[0] // self.merge**2]
+        return rows[: len(image_inputs.pixel_values) // self.merge**2]
 
     def vision_arrays(self, image_inputs: ImageInputs) -> tuple[jax.Array, ...]:
         """The tower's inputs on the device: patches padded to a bucketed count, and their layout (vision_layout),
-        sent in one transfer."""
-        n = image_inputs.pixel_values.shape[0]
-        padded = bucket(n, 64)
-        pixels = np.zeros((padded, image_inputs.pixel_values.shape[1]), np.float32)
-        pixels[:n] = image_inputs.pixel_values
+        sent in one transfer. PatchCodes travel as their uint8 codes and table and are expanded there."""
+        pixels = image_inputs.pixel_values
+        padded = bucket(len(pixels), 64)
         layout = vision_layout(image_inputs.grid_thw, self.cfg.vision, padded)
-        return tuple(jax.device_put((pixels, *layout), self._weights_sharding()))
+        if isinstance(pixels, PatchCodes):
+            codes, table, *layout = jax.device_put((pixels.padded_codes(padded), pixels.table, *layout),
+                                                   self._weights_sharding())
+            return (expand_on_device(codes, table, pixels.repeat), *layout)
+        rows = np.zeros((padded, pixels.shape[1]), np.float32)
+        rows[: len(pixels)] = pixels
+        return tuple(jax.device_put((rows, *layout), self._weights_sharding()))
 
     def init_cache(self, slots: int, max_len: int):
         """Zeroed caches, committed to the weights' device: uncommitted inputs would make the first jitted call

@@ -3,7 +3,8 @@
 The oracle: PIL bicubic resize of the uint8 RGB image to smart_resize's size, then `x.astype(float64) * rescale`
 cast to float32, then `(x - mean) / std` in float32, then patchify. Every step after the resize is a function of
 one uint8 value and its channel, so it is computed once for all 256 values per channel (a lookup table built with
-the same numpy operations and dtypes) and gathered straight into the patch layout: same bits, far less work.
+the same numpy operations and dtypes); the images leave as PatchCodes (the pixels in patch order and that table),
+which the tower's input code expands on the device: same bits, an eighth of the bytes to send.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from PIL import Image
 
 from luxjax.errors import ModelFormatError
 from luxjax.vision.hashing import image_hash
+from luxjax.vision.patch_codes import PatchCodes
 from luxjax.vision.types import ImageInputs
 
 PIL_BICUBIC = 3
@@ -105,16 +107,17 @@ class Qwen35ImageProcessor:
         return (h // self.factor) * (w // self.factor)
 
     def __call__(self, images: Sequence[Image.Image]) -> ImageInputs:
-        patches, grids, tokens = [], [], []
+        """pixel_values come as PatchCodes: the resized pixels' codes and the rescale + normalize table."""
+        codes, grids, tokens = [], [], []
         for image in images:
             pixels = self._resized_pixels(image)
-            patches.append(self._patchify(pixels))
+            codes.append(self._patch_codes(pixels))
             grid_h, grid_w = pixels.shape[0] // self.patch_size, pixels.shape[1] // self.patch_size
             grids.append((1, grid_h, grid_w))
             tokens.append(grid_h * grid_w // self.merge_size**2)
-        patch_dim = 3 * self.temporal_patch_size * self.patch_size**2
+        empty = np.zeros((0, 3, self.patch_size**2), np.uint8)
         return ImageInputs(
-            pixel_values=np.concatenate(patches) if patches else np.zeros((0, patch_dim), np.float32),
+            pixel_values=PatchCodes(np.concatenate(codes) if codes else empty, self._lookup, self.temporal_patch_size),
             grid_thw=np.array(grids, dtype=np.int64).reshape(-1, 3),
             num_tokens=tokens,
             hashes=[image_hash(image) for image in images],
@@ -135,18 +138,13 @@ class Qwen35ImageProcessor:
         std = np.array(self.image_std, dtype=np.float32)[:, None]
         return (rescaled[None, :] - mean) / std
 
-    def _patchify(self, pixels: np.ndarray) -> np.ndarray:
-        """[H, W, 3] uint8 -> [H*W/p^2, 3*T*p*p] float32; rows in (block_row, block_col, row, col) order, each row
-        laid out (channel, time, py, px) with the frame repeated over time."""
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+    def _patch_codes(self, pixels: np.ndarray) -> np.ndarray:
+        """[H, W, 3] uint8 -> [H*W/p^2, 3, p*p] uint8; rows in (block_row, block_col, row, col) order, each row's
+        pixels by (channel, py, px). With the table and the frame repeated over time, the oracle's patch rows."""
+        p, m = self.patch_size, self.merge_size
         height, width, channels = pixels.shape
         blocks = pixels.reshape(height // (p * m), m, p, width // (p * m), m, p, channels)
-        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5).reshape(-1, channels, p * p)
-        channel_offsets = (np.arange(channels, dtype=np.uint16) * 256)[None, :, None]
-        frame = np.take(self._lookup.ravel(), np.add(blocks, channel_offsets, dtype=np.uint16))
-        out = np.empty((blocks.shape[0], channels, t, p * p), dtype=np.float32)
-        out[:] = frame[:, :, None, :]
-        return out.reshape(blocks.shape[0], -1)
+        return blocks.transpose(0, 3, 1, 4, 6, 2, 5).reshape(-1, channels, p * p)
 
 
 def _first_present(*values):

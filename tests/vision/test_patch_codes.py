@@ -1,0 +1,67 @@
+"""PatchCodes: the compact form of preprocessed patches (uint8 codes and a per-channel value table), expanded on
+the host and on the device, against rows built value by value."""
+from __future__ import annotations
+
+import secrets
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from luxjax.vision.patch_codes import PatchCodes, expand_on_device
+
+
+def rows_value_by_value(codes, table, repeat):
+    patches, channels, n = codes.shape
+    out = np.empty((patches, channels * repeat * n), np.float32)
+    for p in range(patches):
+        col = 0
+        for c in range(channels):
+            for _ in range(repeat):
+                for i in range(n):
+                    out[p, col] = table[c, codes[p, c, i]]
+                    col += 1
+    return out
+
+
+@pytest.fixture
+def random_codes():
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    patches, channels, n, repeat = (int(v) for v in rng.integers(1, 9, 4))
+    codes = rng.integers(0, 256, (patches, channels, n), dtype=np.uint8)
+    table = rng.standard_normal((channels, 256)).astype(np.float32)
+    return PatchCodes(codes, table, repeat), seed
+
+
+def test_expand_gives_each_value_from_its_channels_table(random_codes):
+    pc, seed = random_codes
+    want = rows_value_by_value(pc.codes, pc.table, pc.repeat)
+    assert pc.shape == want.shape and len(pc) == want.shape[0], f"seed {seed}"
+    np.testing.assert_array_equal(np.asarray(pc), want, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(pc.expand(), want, err_msg=f"seed {seed}")
+
+
+def test_device_expansion_equals_the_host_one(random_codes):
+    pc, seed = random_codes
+    rows = 16 * -(-len(pc) // 16)
+    got = np.asarray(expand_on_device(jnp.asarray(pc.padded_codes(rows)), jnp.asarray(pc.table), pc.repeat))
+    assert got.shape == (rows, pc.shape[1]), f"seed {seed}"
+    np.testing.assert_array_equal(got[: len(pc)], rows_value_by_value(pc.codes, pc.table, pc.repeat),
+                                  err_msg=f"seed {seed}")
+
+
+def test_concatenate_keeps_rows_in_order_and_refuses_mixed_tables(random_codes):
+    pc, seed = random_codes
+    both = PatchCodes.concatenate([pc, PatchCodes(pc.codes[::-1].copy(), pc.table, pc.repeat)])
+    np.testing.assert_array_equal(np.asarray(both), np.concatenate([np.asarray(pc), np.asarray(pc)[::-1]]),
+                                  err_msg=f"seed {seed}")
+    with pytest.raises(ValueError, match="different tables"):
+        PatchCodes.concatenate([pc, PatchCodes(pc.codes, pc.table + 1, pc.repeat)])
+
+
+def test_malformed_codes_are_refused():
+    with pytest.raises(ValueError, match="uint8"):
+        PatchCodes(np.zeros((2, 3, 4), np.int32), np.zeros((3, 256), np.float32))
+    with pytest.raises(ValueError, match="table"):
+        PatchCodes(np.zeros((2, 3, 4), np.uint8), np.zeros((2, 256), np.float32))

@@ -14,6 +14,7 @@ programs whose float32 partial sums XLA adds.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -70,45 +71,63 @@ def supported(x_shape, w_shape, x_dtype, w_dtype) -> bool:
     return BlockSizes.get_default(m, w_shape[1], w_shape[2]) is not None
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, steps):
-    """Program (i, j, s): output tile (i, j), K steps s * steps ... (s + 1) * steps - 1."""
+def _kernel(layer_ref, x_ref, *refs, block_n, block_k, steps, split_x):
+    """Program (i, j, s): output tile (i, j), K steps s * steps ... (s + 1) * steps - 1; with split_x, both parts
+    of x times each W tile into one accumulator."""
+    *x_lo_ref, w_ref, o_ref = refs
     j, split = pl.program_id(1), pl.program_id(2)
     rows = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     layer = layer_ref[0]
 
     def step(s, acc):
         cols = pl.ds(pl.multiple_of((split * steps + s) * block_k, block_k), block_k)
-        return acc + dot(x_ref[:, cols], w_ref[layer, rows, cols], ((1,), (1,)))
+        w = w_ref[layer, rows, cols]
+        acc = acc + dot(x_ref[:, cols], w, ((1,), (1,)))
+        if split_x:
+            acc = acc + dot(x_lo_ref[0][:, cols], w, ((1,), (1,)))
+        return acc
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
     o_ref[0] = acc.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
-def stacked_gemm(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_sizes: BlockSizes | None = None,
-                 out_dtype=None, interpret: bool = False, debug: bool = False) -> jax.Array:
-    """x [M, in] @ w[layer].T for w [L, out, in] -> [M, out] in out_dtype (default x.dtype), float32 accumulation."""
+def stacked_gemm(x: jax.Array, w: jax.Array, layer: jax.Array, *, x_lo: jax.Array | None = None,
+                 block_sizes: BlockSizes | None = None, out_dtype=None, interpret: bool = False,
+                 debug: bool = False) -> jax.Array:
+    """x [M, in] @ w[layer].T for w [L, out, in] -> [M, out] in out_dtype (default x.dtype), float32 accumulation.
+
+    x_lo: a second part of x ([M, in], x's dtype), for (x + x_lo) @ w[layer].T with both parts multiplied in 16-bit
+    (ops.linear.split_linear's float32 x as bf16 high and low parts): each W tile is loaded once for both and the
+    products share one accumulator, instead of stacking the parts as rows and adding two outputs."""
     m, k = x.shape
     if w.ndim != 3 or w.shape[2] != k:
         raise ValueError(f"x {x.shape} @ w[layer].T needs x [M, in] and w [L, out, in]; got w {w.shape}")
     if x.dtype != w.dtype or jnp.dtype(x.dtype) not in DTYPES:
         raise ValueError(f"x and w of one 16-bit float dtype, got {x.dtype} and {w.dtype}")
+    if x_lo is not None and (x_lo.shape != x.shape or x_lo.dtype != x.dtype):
+        raise ValueError(f"x_lo {x_lo.shape} {x_lo.dtype} must match x {x.shape} {x.dtype}")
     n = w.shape[1]
     bs = block_sizes or BlockSizes.get_default(m, n, k)
     if bs is None or n % bs.block_n or k % (bs.block_k * bs.splits):
         raise ValueError(f"no tiles fit x {x.shape} @ w {w.shape} (block sizes {bs})")
-    xp = jnp.pad(x, ((0, -m % bs.block_m), (0, 0)))
+    if x_lo is not None and block_sizes is None:  # a second x tile per stage: 4 stages of 128 x 256 overflow smem
+        bs = dataclasses.replace(bs, num_stages=min(bs.num_stages, 3))
+    xs = [jnp.pad(a, ((0, -m % bs.block_m), (0, 0))) for a in (x, x_lo) if a is not None]
+    rows = xs[0].shape[0]
     out_dtype = out_dtype or x.dtype
-    kernel = functools.partial(_kernel, block_n=bs.block_n, block_k=bs.block_k, steps=k // (bs.block_k * bs.splits))
+    kernel = functools.partial(_kernel, block_n=bs.block_n, block_k=bs.block_k, steps=k // (bs.block_k * bs.splits),
+                               split_x=x_lo is not None)
+    x_spec = pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0))
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bs.splits, xp.shape[0], n), out_dtype if bs.splits == 1 else jnp.float32),
-        grid=(xp.shape[0] // bs.block_m, n // bs.block_n, bs.splits),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0)), pl.BlockSpec()],
+        out_shape=jax.ShapeDtypeStruct((bs.splits, rows, n), out_dtype if bs.splits == 1 else jnp.float32),
+        grid=(rows // bs.block_m, n // bs.block_n, bs.splits),
+        in_specs=[pl.BlockSpec(), *(x_spec for _ in xs), pl.BlockSpec()],
         out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name="stacked_gemm",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, w)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), *xs, w)
     y = y[0] if bs.splits == 1 else y.sum(axis=0).astype(out_dtype)
     return y[:m]
 

@@ -152,14 +152,36 @@ def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
 
 
 def split_linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
-    """(split_linear(x, w) for w in ws), through linear_many."""
+    """(split_linear(x, w) for w in ws): prefill-sized products of dense layer slices by the in-place GEMM taking
+    both parts at once (dense_gemm.stacked_gemm's x_lo); the rest through linear_many."""
+    ws = tuple(ws)
     hi = x.astype(jnp.bfloat16)
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     rows = math.prod(x.shape[:-1])
     if any(isinstance(w, (LayerSlice, QuantizedTensor)) for w in ws) and rows <= _PALLAS_MAX_ROWS < 2 * rows:
         # both parts on the decode kernels: one call each rather than a stack too tall for them
         return tuple(a + b for a, b in zip(linear_many(hi, ws, jnp.float32), linear_many(lo, ws, jnp.float32)))
-    return tuple(both[0] + both[1] for both in linear_many(jnp.stack([hi, lo]), ws, jnp.float32))
+    out = [_split_in_place_gemm(hi, lo, w) for w in ws]
+    rest = [i for i, y in enumerate(out) if y is None]
+    if rest:
+        for i, both in zip(rest, linear_many(jnp.stack([hi, lo]), [ws[i] for i in rest], jnp.float32)):
+            out[i] = both[0] + both[1]
+    return tuple(out)
+
+
+def _split_in_place_gemm(hi: jax.Array, lo: jax.Array, w) -> jax.Array | None:
+    """float32 (hi + lo) @ W[layer].T for a dense layer slice by the in-place prefill GEMM, or None where it does
+    not apply."""
+    if not (_is_dense_slice(w) and backend.use_pallas()):
+        return None
+    from pallas_kernels import dense_gemm
+
+    if not dense_gemm.supported(hi.shape, w.stacked.shape, hi.dtype, w.stacked.dtype):
+        return None
+    k = hi.shape[-1]
+    y = dense_gemm.stacked_gemm(hi.reshape(-1, k), w.stacked, w.index, x_lo=lo.reshape(-1, k),
+                                out_dtype=jnp.float32, interpret=backend.interpret())
+    return y.reshape(*hi.shape[:-1], y.shape[-1])
 
 
 def embedding_lookup(w: Weight, ids: jax.Array, dtype) -> jax.Array:

@@ -85,6 +85,28 @@ def test_stacked_gemm_reads_the_chosen_layer(dtype, out, k, seed, interpret):
     check(wide, x, dense, dtype, f"{msg} (float32 out)", tol=4e-3)
 
 
+@pytest.mark.parametrize("splits", [None, 2])
+def test_stacked_gemm_two_parts_of_x(splits, seed, interpret):
+    """x_lo: float32 x as its bf16 high part and the bf16 rounding of the rest, both times each W tile into one
+    accumulator: (hi + lo) @ W keeps ~16 bits of x, far closer to float32 x @ W than hi @ W alone."""
+    rng = np.random.default_rng(seed)
+    layers, m, out, k = 3, int(rng.integers(17, 150)), 64, 512
+    w = jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    layer = int(rng.integers(0, layers))
+    bs = None if splits is None else dense_gemm.BlockSizes(64, 32, 64, 4, 2, splits)
+    got = dense_gemm.stacked_gemm(hi, w, jnp.int32(layer), x_lo=lo, block_sizes=bs, out_dtype=jnp.float32,
+                                  interpret=interpret)
+    dense = np.asarray(w[layer].astype(jnp.float32), np.float64)
+    msg = f"x[{m},{k}] W[{layers},{out},{k}] layer {layer} splits {splits} seed {seed}"
+    check(got, x, dense, jnp.float32, msg, tol=1e-4)
+    with pytest.raises(AssertionError):  # the high part alone misses by bf16's rounding of x
+        check(dense_gemm.stacked_gemm(hi, w, jnp.int32(layer), out_dtype=jnp.float32, interpret=interpret), x, dense,
+              jnp.float32, msg, tol=1e-4)
+
+
 @pytest.mark.parametrize("splits", [2, 4])
 def test_stacked_gemm_split_k_sums_every_part(splits, seed, interpret):
     rng = np.random.default_rng(seed)
@@ -167,10 +189,13 @@ def test_linear_many_projects_one_input_in_one_launch(monkeypatch, seed, x_dtype
     dense = [np.asarray(w[layer].astype(jnp.float32), np.float64) for w in ws]
     monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
     monkeypatch.setattr(backend, "interpret", lambda: True)
-    launches = []
+    launches, split_gemms = [], []
     real = linear_mod._fused_in_place_linear
     monkeypatch.setattr(linear_mod, "_fused_in_place_linear", lambda *a: (
         lambda y: launches.append(y is not None) or y)(real(*a)))
+    real_split = linear_mod._split_in_place_gemm
+    monkeypatch.setattr(linear_mod, "_split_in_place_gemm", lambda *a: (
+        lambda y: split_gemms.append(y is not None) or y)(real_split(*a)))
     sliced = [LayerSlice(w, jnp.int32(layer)) for w in ws]
     for rows in (1, 2, linear_mod._PALLAS_MAX_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
@@ -182,8 +207,12 @@ def test_linear_many_projects_one_input_in_one_launch(monkeypatch, seed, x_dtype
         for y, d, out in zip(got, dense, outs):
             check(y, x, d, x_dtype, f"{out} rows of {outs}, x[{rows}] layer {layer} pallas {pallas} seed {seed}")
         if x_dtype == jnp.float32:  # split_linear_many: float32 x, about 16 bits of it through bf16 products
+            split_gemms.clear()
             for y, d, out in zip(linear_mod.split_linear_many(x, sliced), dense, outs):
                 check(y, x, d, jnp.float32, f"split, {out} rows, x[{rows}] pallas {pallas}", tol=1e-4)
+            # prefill rows: each weight by the in-place GEMM taking both parts of x (decode rows: the stacked rows)
+            want = [pallas and rows > linear_mod._PALLAS_MAX_ROWS] * len(outs)
+            assert split_gemms == want, f"rows {rows}: two-part GEMMs {split_gemms}"
     packed, _ = random_weight(rng, T.Q8_0, 32, k)
     launches.clear()
     mixed = [sliced[0], LayerSlice(stack([packed] * layers), jnp.int32(layer))]

@@ -3,9 +3,9 @@
 Why: the decoder scans over layers whose weights are stacked [L, out, in]. Handed the scan's slice W[layer], XLA
 copies it into its own buffer before cuBLAS (dense_gemv.py says the same of decode); in a 1,012-token prefill of
 the 27B those copies took 24 ms of 159 (an H200 profile, benchmarks/RESULTS.md). XLA's dynamic-slice fusion flag
-did not remove them. This kernel takes the whole stacked array and the layer index: on an H200 at M = 1,024 it
-measured 606 TFLOP/s on a 34,816 x 5,120 layer, where cuBLAS reached 644 on a separate array and 496 on the
-scan's slice (.probe measurements recorded in RESULTS.md, session 7).
+did not remove them. This kernel takes the whole stacked array and the layer index: in a scan of eight
+17,408 x 5,120 layers at M = 1,024 on an H200 (benchmarks/bench_layer_scan.py) it ran at 516 TFLOP/s, where XLA's
+dot reached 460 on the scan's slice and 590 on separate arrays; the 27B's prefill lost its 24 ms of copies.
 
 A [BM, BN] output tile per program, the K loop in float32 on the tensor cores; program (i, j) takes row tile i of
 x and row tile j of W, i varying fastest, so the programs running together share W's tile (read once from

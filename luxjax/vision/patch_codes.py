@@ -3,7 +3,7 @@
 After the resize, every value a preprocessor feeds a vision tower is a function of one uint8 pixel and its channel
 (rescale, normalize), so a patch row is fully described by its pixels' codes and a [channels, 256] table. Sending the
 codes instead of the float32 rows moves 1/4 of the bytes to the device (1/8 where a still image is repeated over a
-temporal patch, as in Qwen's towers) and skips building the float rows on the host; the device expands them.
+temporal patch by towers built for video) and skips building the float rows on the host; the device expands them.
 """
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ from pallas_kernels.dense_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.dense_gemv import pow2_divisor, split_count
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # float32 stays on cuBLAS: its full-precision products are not this kernel's
-MIN_PROGRAMS = 264  # two waves of an H200's 132 multiprocessors
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class BlockSizes:
         block_n, block_k = pow2_divisor(n, 256 if wide else 128), pow2_divisor(k, 64)
         if block_n < 16 or block_k < 16:
             return None
-        splits = min(2, split_count(-(-m // block_m) * (n // block_n), k // block_k, MIN_PROGRAMS))
+        splits = min(2, split_count(-(-m // block_m) * (n // block_n), k // block_k))  # toward two waves
         return cls(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 256 else 4, 4 if splits == 1 else 3,
                    splits)
 

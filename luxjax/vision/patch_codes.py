@@ -59,14 +59,6 @@ class PatchCodes:
         out[: len(self)] = self.codes
         return out
 
-    @classmethod
-    def concatenate(cls, parts: list[PatchCodes]) -> PatchCodes:
-        """Rows of all parts, which share one table and repeat (one preprocessor's output)."""
-        first = parts[0]
-        if any(p.repeat != first.repeat or not np.array_equal(p.table, first.table) for p in parts[1:]):
-            raise ValueError("patch codes with different tables or repeats cannot be concatenated")
-        return cls(np.concatenate([p.codes for p in parts]), first.table, first.repeat)
-
 
 def expand(codes, table, repeat: int, xp=jnp):
     """codes [P, C, n] -> [P, C * repeat * n] rows of table values (numpy or jax.numpy, by xp)."""

@@ -51,15 +51,6 @@ def test_device_expansion_equals_the_host_one(random_codes):
                                   err_msg=f"seed {seed}")
 
 
-def test_concatenate_keeps_rows_in_order_and_refuses_mixed_tables(random_codes):
-    pc, seed = random_codes
-    both = PatchCodes.concatenate([pc, PatchCodes(pc.codes[::-1].copy(), pc.table, pc.repeat)])
-    np.testing.assert_array_equal(np.asarray(both), np.concatenate([np.asarray(pc), np.asarray(pc)[::-1]]),
-                                  err_msg=f"seed {seed}")
-    with pytest.raises(ValueError, match="different tables"):
-        PatchCodes.concatenate([pc, PatchCodes(pc.codes, pc.table + 1, pc.repeat)])
-
-
 def test_malformed_codes_are_refused():
     with pytest.raises(ValueError, match="uint8"):
         PatchCodes(np.zeros((2, 3, 4), np.int32), np.zeros((3, 256), np.float32))

@@ -10,7 +10,8 @@ layer's input taken from the previous output so nothing is skipped. Variants:
   (luxjax.ops.linear's LayerSlice path: the decode GEMVs up to 16 rows, pallas_kernels/dense_gemm.py beyond, bf16
   only), when the kernels are importable;
 - the same three for random IQ4_XS blocks through the fused dequantize-matmul.
-Achieved bandwidth = weight bytes / time per layer (TFLOP/s too for more than 16 rows). --hlo-dir writes the optimised HLO of the scan variants.
+Achieved bandwidth = weight bytes / time per layer (TFLOP/s too for more than 16 rows). --hlo-dir writes the
+optimised HLO of the scan variants.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def test_expand_gives_each_value_from_its_channels_table(random_codes):
     np.testing.assert_array_equal(pc.expand(), want, err_msg=f"seed {seed}")
 
 
-def test_device_expansion_equals_the_host_one(random_codes):
+def test_device_expansion_gives_the_same_rows(random_codes):
     pc, seed = random_codes
     rows = 16 * -(-len(pc) // 16)
     got = np.asarray(expand_on_device(jnp.asarray(pc.padded_codes(rows)), jnp.asarray(pc.table), pc.repeat))

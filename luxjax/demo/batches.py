@@ -29,10 +29,8 @@ def processor() -> Qwen35ImageProcessor:
 def patch_bytes(proc: Qwen35ImageProcessor, image) -> tuple[np.ndarray, tuple[int, int, int]]:
     """uint8 [patches, 3, p*p] in the processor's row order (before normalisation and temporal repeat), grid_thw."""
     pixels = proc._resized_pixels(image)
-    p, m = proc.patch_size, proc.merge_size
-    H, W, C = pixels.shape
-    blocks = pixels.reshape(H // (p * m), m, p, W // (p * m), m, p, C).transpose(0, 3, 1, 4, 6, 2, 5)
-    return np.ascontiguousarray(blocks.reshape(-1, C, p * p)), (1, H // p, W // p)
+    H, W, _ = pixels.shape
+    return np.ascontiguousarray(proc._patch_codes(pixels)), (1, H // proc.patch_size, W // proc.patch_size)
 
 
 def messages_for(question: str, n_images: int, text_first: bool) -> list[dict]:

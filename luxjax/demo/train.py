@@ -47,15 +47,17 @@ def make_loss(cfg: dict):
     import optax
 
     from luxjax.demo.batches import processor
+    from luxjax.vision.patch_codes import expand
 
-    lut = jnp.asarray(processor()._lookup)  # [3, 256] the processor's exact normalised values
+    proc = processor()
+    lut = jnp.asarray(proc._lookup)  # [3, 256] the processor's exact normalised values
     f32 = jnp.float32
 
     def loss_fn(params, b):
         model = build_model(params, cfg, f32)
-        S, P = b["patches"].shape[:2]
-        pixels = lut[jnp.arange(3)[None, None, :, None], b["patches"].astype(jnp.int32)]  # [S, P, 3, 256]
-        pixels = jnp.broadcast_to(pixels[:, :, :, None], (S, P, 3, 2, 256)).reshape(S, P, -1)
+        S, P, C, n = b["patches"].shape
+        codes = b["patches"].reshape(S * P, C, n).astype(jnp.int32)
+        pixels = expand(codes, lut, proc.temporal_patch_size).reshape(S, P, -1)  # the processor's float rows
         rows = jax.vmap(model.vision)(pixels, b["taps"], b["tap_weights"], b["rope_ids"], b["segments"])
         rows = rows.reshape(-1, rows.shape[-1])
         ids, index = b["ids"], b["image_index"]

@@ -45,6 +45,10 @@ class PatchCodes:
     def __len__(self) -> int:
         return self.codes.shape[0]
 
+    def __repr__(self) -> str:  # sizes only: logs never carry image payloads
+        patches, channels, values = self.codes.shape
+        return f"PatchCodes({patches} patches x {channels} channels x {values} values, repeat {self.repeat})"
+
     def expand(self) -> np.ndarray:
         """The float32 rows [patches, channels * repeat * values]."""
         return np.asarray(expand(self.codes, self.table, self.repeat, xp=np))

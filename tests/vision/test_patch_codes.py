@@ -51,6 +51,13 @@ def test_device_expansion_gives_the_same_rows(random_codes):
                                   err_msg=f"seed {seed}")
 
 
+def test_repr_shows_sizes_not_pixels(random_codes):
+    pc, seed = random_codes
+    text = repr(pc)
+    assert f"{len(pc)} patches" in text and f"repeat {pc.repeat}" in text, f"seed {seed}: {text}"
+    assert "array" not in text and "[" not in text, f"seed {seed}: {text}"
+
+
 def test_malformed_codes_are_refused():
     with pytest.raises(ValueError, match="uint8"):
         PatchCodes(np.zeros((2, 3, 4), np.int32), np.zeros((3, 256), np.float32))

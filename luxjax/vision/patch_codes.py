@@ -54,6 +54,8 @@ class PatchCodes:
         return np.asarray(expand(self.codes, self.table, self.repeat, xp=np))
 
     def __array__(self, dtype=None, copy=None):
+        if copy is False:
+            raise ValueError("PatchCodes has no float rows to share: they are built on request (copy=False)")
         rows = self.expand()
         return rows if dtype is None else rows.astype(dtype)
 

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import dot
 from pallas_kernels.dense_gemv import MAX_ROWS as GEMV_MAX_ROWS
-from pallas_kernels.dense_gemv import pow2_divisor, split_count
+from pallas_kernels.dense_gemv import pow2_divisor, split_count, split_out_shape, sum_splits
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # float32 stays on cuBLAS: its full-precision products are not this kernel's
 
@@ -120,15 +120,14 @@ def stacked_gemm(x: jax.Array, w: jax.Array, layer: jax.Array, *, x_lo: jax.Arra
     x_spec = pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0))
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bs.splits, rows, n), out_dtype if bs.splits == 1 else jnp.float32),
+        out_shape=split_out_shape(bs.splits, rows, n, out_dtype),
         grid=(rows // bs.block_m, n // bs.block_n, bs.splits),
         in_specs=[pl.BlockSpec(), *(x_spec for _ in xs), pl.BlockSpec()],
         out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name="stacked_gemm",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), *xs, w)
-    y = y[0] if bs.splits == 1 else y.sum(axis=0).astype(out_dtype)
-    return y[:m]
+    return sum_splits(y, out_dtype)[:m]
 
 
 def stacked_gemm_reference(x: jax.Array, w: jax.Array, layer: jax.Array, out_dtype=None) -> jax.Array:

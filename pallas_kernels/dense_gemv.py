@@ -65,6 +65,16 @@ def split_count(row_tiles: int, steps: int, min_programs: int = MIN_PROGRAMS) ->
     return splits
 
 
+def split_out_shape(splits: int, rows: int, n: int, out_dtype) -> jax.ShapeDtypeStruct:
+    """A K-split kernel's output: [splits, rows, n], float32 partial sums when split, else out_dtype directly."""
+    return jax.ShapeDtypeStruct((splits, rows, n), out_dtype if splits == 1 else jnp.float32)
+
+
+def sum_splits(y: jax.Array, out_dtype) -> jax.Array:
+    """[rows, n] in out_dtype from a split_out_shape output: its partial sums added."""
+    return y[0] if y.shape[0] == 1 else y.sum(axis=0).astype(out_dtype)
+
+
 def pow2_divisor(size: int, most: int) -> int:
     """The largest power of two <= most that divides size (1 at least)."""
     b = most
@@ -163,12 +173,12 @@ def stacked_gemv_many(x: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array,
                                steps=k // (bs.block_k * bs.splits), reduce=reduce, dot_dtype=dot_dtype)
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bs.splits, rows, sum(ns)), out_dtype if bs.splits == 1 else jnp.float32),
+        out_shape=split_out_shape(bs.splits, rows, sum(ns), out_dtype),
         grid=(sum(tiles), bs.splits),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name="stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, *ws)
-    y = y[0, :m] if bs.splits == 1 else y[:, :m].sum(axis=0).astype(out_dtype)
+    y = sum_splits(y[:, :m], out_dtype)
     ends = [sum(ns[: i + 1]) for i in range(len(ns))]
     return tuple(y[:, end - n : end] for n, end in zip(ns, ends))
 

@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
-from pallas_kernels.dense_gemv import split_count
+from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, Magic
 
@@ -229,7 +229,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
                for a in x_inputs]
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), out_dtype if splits == 1 else jnp.float32),
+        out_shape=split_out_shape(splits, mp, np_, out_dtype),
         grid=(mp // bs.block_m, np_ // bs.block_n, splits),
         in_specs=[*(_WHOLE for _ in range(len(planes) + 1 + (layer is not None))), *x_specs],
         out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
@@ -237,8 +237,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
         interpret=interpret, debug=debug, name=f"quant_matmul_{w.ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
       jnp.asarray(KERNEL_CONSTANTS, jnp.uint32), *planes.values(), *x_inputs)
-    y = y[0] if splits == 1 else y.sum(axis=0).astype(out_dtype)
-    return y[:m, :n]
+    return sum_splits(y, out_dtype)[:m, :n]
 
 
 def quant_matmul_reference(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:

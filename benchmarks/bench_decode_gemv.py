@@ -2,6 +2,7 @@
 (pallas_kernels.dense_gemv / quant_matmul's stacked path), on the Qwen3.5-27B shapes, against the copy ceiling.
 
     python benchmarks/bench_decode_gemv.py [--sweep] [--seconds 400] [--json out.json]
+    python benchmarks/bench_decode_gemv.py --rows-sweep --formats IQ4_XS,Q4_K,Q6_K   (the packed regimes by rows)
 
 GB/s = weight bytes / time per layer (x and y are negligible). Each timing is the median of 15 calls of one
 jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2. The XLA row is the same product
@@ -11,6 +12,7 @@ tile sizes per format at 1 and 16 rows on the first shape and uses the fastest f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -156,6 +158,45 @@ def dense_sweep(deadline: float, key) -> list[dict]:
     return rows
 
 
+ROWS_SWEEP_SHAPES = {"IQ4_XS": (17408, 5120), "Q4_K": (17408, 5120), "Q5_K": (5120, 17408), "Q6_K": (5120, 17408),
+                     "Q8_0": (17408, 5120)}
+
+
+def rows_sweep(formats, deadline: float, key) -> list[dict]:
+    """Packed weights at 1..16 rows of x: the GEMV reduce (each weight decoded once, one multiply-add per row; full
+    and halved K steps) against the tensor-core skinny dot (three K steps), float32 x as well at 1 and 2 rows (what
+    split_linear sends). Sets KernelFormat.reduce_rows: the most rows where the reduce wins."""
+    rows = []
+    for fmt in formats:
+        if fmt == "bf16":
+            continue
+        out, k = ROWS_SWEEP_SHAPES[fmt]
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        block = GGML_QUANT_SIZES[T[fmt]][0]
+        gemv = qm._stacked_block_sizes(T[fmt], 1, out)
+        skinny = qm._stacked_block_sizes(T[fmt], 16, out)
+        for m in (1, 2, 4, 8, 16):
+            variants = []
+            if m <= qm.REDUCE_MAX_ROWS:
+                variants += [("reduce", dataclasses.replace(gemv, block_m=m)),
+                             ("reduce, half K step", dataclasses.replace(gemv, block_m=m,
+                                                                         blocks_k=max(1, gemv.blocks_k // 2)))]
+            if m > 1:
+                variants += [(f"skinny, {v} values", dataclasses.replace(skinny, blocks_k=max(1, v // block)))
+                             for v in (256, 512, 1024)]
+            for dtype in (jnp.bfloat16, jnp.float32) if m <= 2 else (jnp.bfloat16,):
+                x = jax.random.normal(key, (m, k), dtype)
+                for name, bs in variants:
+                    if time.time() > deadline or (dtype == jnp.float32 and not name.startswith("reduce")):
+                        continue
+                    ms = median_ms(scan_fn(fmt, bs), x, stacked, repeats=9) / layers
+                    rows.append({"format": fmt, "out": out, "in": k, "m": m, "x": jnp.dtype(dtype).name,
+                                 "regime": name, "gb_s": nbytes / ms / 1e6, "block_sizes": str(bs)})
+                    print(json.dumps(rows[-1]), flush=True)
+        del stacked
+    return rows
+
+
 def read_ceiling_gb_s() -> float:
     """A 2 GiB bf16 array summed: bytes read once per call (the read-only rate a GEMV can approach)."""
     a = jnp.ones((1 << 30,), jnp.bfloat16)
@@ -174,6 +215,8 @@ def main():
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--dense-sweep", action="store_true",
                     help="only sweep the dense kernel's tiles and K splits on the 27B decode shapes")
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="only time the packed kernel's regimes (GEMV reduce, skinny dot) at 1..16 rows")
     ap.add_argument("--json")
     args = ap.parse_args()
     start = time.time()
@@ -181,6 +224,14 @@ def main():
     ceiling = copy_ceiling_gb_s()
     read = read_ceiling_gb_s()
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    if args.rows_sweep:
+        rows = rows_sweep(args.formats.split(","), start + args.seconds, key)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "read_gb_s": read, "rows": rows}, indent=1))
+        print("\n| weights | out x in | rows | x | regime | GB/s |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['format']} | {r['out']}x{r['in']} | {r['m']} | {r['x']} | {r['regime']} | {r['gb_s']:.0f} |")
+        return
     if args.dense_sweep:
         rows = dense_sweep(start + args.seconds, key)
         if args.json:

@@ -66,8 +66,8 @@ def main():
     key = jax.random.key(0)
     layers = [random_packed((N, K), T.IQ4_XS, jax.random.fold_in(key, i), jnp.bfloat16) for i in range(LAYERS)]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-    qs = stacked.planes["qs"].reshape(LAYERS, N, BLOCKS, 128)
-    words = lax.bitcast_convert_type(qs.reshape(LAYERS, N, BLOCKS, 32, 4), jnp.uint32)
+    words = stacked.planes["qs"].reshape(LAYERS, N, BLOCKS, 32)  # IQ4_XS codes are stored as uint32 words
+    qs = lax.bitcast_convert_type(words, jnp.uint8).reshape(LAYERS, N, BLOCKS, 128)
     x = jax.random.normal(key, (1, K), jnp.bfloat16)
     real = jax.jit(lambda x, w: lax.scan(
         lambda h, i: (h + 1e-3 * stacked_quant_matmul(h, w, i)[:, :K], None), x, jnp.arange(LAYERS))[0])

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from gguf.constants import GGMLQuantizationType as T
 
+from luxjax.checkpoint.quant_formats import IQ4_KVALUES
+from pallas_kernels.byte_perm import byte_perm
 from pallas_kernels.fma import fma
 
 MAGIC = 0x4B000000  # float32 bits of 2^23: OR in an integer < 2^23 and subtract 2^23 to get it as a float
@@ -30,13 +32,19 @@ ROUND_MAGIC = 12582912.0  # 1.5 * 2^23, where float32 spacing is 1: adding it ro
 class Magic(NamedTuple):
     """The magic numbers as values loaded at run time, not literals: an OR with a register folds into the mask
     before it (one LOP3 on NVIDIA instead of two), and compilers cannot fold the rounding trick's constant additions
-    away (XLA turns (a + (c + M)) - M into a + c). The kernel wrapper passes KERNEL_CONSTANTS."""
+    away (XLA turns (a + (c + M)) - M into a + c). The kernel wrapper passes KERNEL_CONSTANTS, and whether to look
+    IQ4 codes up by byte permutes (`byte_perm`, static: where the platform has the instruction)."""
 
     bits: jax.Array  # uint32 MAGIC
     round: jax.Array  # float32 ROUND_MAGIC
+    iq4_table: tuple[jax.Array, ...]  # four uint32 words: IQ4 codebook + IQ4_BIAS, one byte per code
+    byte_perm: bool = False
 
 
-KERNEL_CONSTANTS = (MAGIC, SIGNED_MAGIC)  # uint32: MAGIC, and SIGNED_MAGIC, which are the bits of ROUND_MAGIC
+IQ4_BIAS = 128  # added to the codebook so each value is an unsigned byte (1..241)
+IQ4_TABLE_WORDS = tuple(sum((IQ4_KVALUES[4 * w + i] + IQ4_BIAS) << (8 * i) for i in range(4)) for w in range(4))
+# uint32: MAGIC; SIGNED_MAGIC, which are the bits of ROUND_MAGIC; the IQ4 table words
+KERNEL_CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_TABLE_WORDS)
 
 
 def _u2f(v: jax.Array, magic: Magic, bias: float = 0.0) -> jax.Array:
@@ -80,6 +88,9 @@ class KernelFormat:
     piece: tuple[int, ...]  # trailing shape of every piece after [BN, KB]
     pieces: Callable  # (plane refs, block slice, Magic) -> [Piece]
     has_offset: bool = False  # whether pieces carry offsets (one term each; the kernel then needs x's group sums)
+    # Most rows of x the GEMV reduce takes by default (each weight decoded once, one multiply-add per row); more go
+    # to the tensor-core regime. Where each measured faster on an H200 (benchmarks/bench_decode_gemv.py --rows-sweep).
+    reduce_rows: int = 1
 
 
 def _q8_0(p, sl, magic):
@@ -137,32 +148,53 @@ _IQ4_POLY = (0.0014480184763669968, 0.03627324849367142, -1.4385637044906616, 24
 _IQ4_CONSTANT = -127.0
 
 
-def _iq4_table(q: jax.Array, magic: Magic, unit: int = 1) -> jax.Array:
-    """IQ4 codebook lookup for 4-bit codes held as unit * q (unit 16: a high nibble left in place), in float
-    arithmetic: 4 fused multiply-adds and one subtraction per value, rather than a gather (none in Triton's Pallas)
-    or a chain of integer selects. The coefficients absorb the unit: each Horner step is the unit-1 step scaled by a
-    power of two, so it rounds the same."""
+def _iq4_table(q: jax.Array, magic: Magic) -> jax.Array:
+    """IQ4 codebook lookup for 4-bit codes in float arithmetic: 4 fused multiply-adds and one subtraction per
+    value, rather than a gather (none in Triton's Pallas) or a chain of integer selects. Where the platform has a
+    byte permute, _iq4_codes_by_byte_perm is cheaper."""
     x = _u2f(q, magic)
-    p = jnp.full_like(x, _IQ4_POLY[0] / unit**4)
-    for i, c in enumerate(_IQ4_POLY[1:], start=1):
-        p = fma(p, x, c / unit ** (4 - i))
+    p = jnp.full_like(x, _IQ4_POLY[0])
+    for c in _IQ4_POLY[1:]:
+        p = fma(p, x, c)
     return fma(p, x, _IQ4_CONSTANT + magic.round) - magic.round
 
 
-def _iq4_xs(p, sl, magic):
-    """Sub-block g = 2*g2 + gp covers qs bytes (g2, gp, :): low nibbles are values 0..15, high ones 16..31, one
-    scale for both terms."""
-    d = _f16(p["d"][:, sl, :])[..., None]  # [BN, KB, 1, 1]
-    sh = p["scales_h"][:, sl, :].astype(jnp.uint32)  # [BN, KB, 1]
-    sl_bytes = p["scales_l"][:, sl, :].astype(jnp.uint32)  # [BN, KB, 4]
+def _iq4_codes_by_byte_perm(words: jax.Array, magic: Magic) -> list[jax.Array]:
+    """Table bytes (codebook + IQ4_BIAS) of the eight codes in each uint32 word, as two words of four bytes:
+    [code 0, 1, 2, 3] and [code 4, 5, 6, 7] (code i = nibble i). Each half looks its four codes' low three bits up
+    in both halves of the table, then picks per code by its top bit: 11 instructions per eight codes on NVIDIA."""
+    t0, t1, t2, t3 = magic.iq4_table
+    index = words & 0x77777777
+    pick = ((words >> 1) & 0x44444444) | 0x32103210  # per code: byte i of the low (0..3) or high (4..7) lookup
     out = []
-    for gp in range(2):
-        qs = p["qs"][:, sl, :, gp].astype(jnp.uint32)  # [BN, KB, 4, 16]
-        hi = (sh >> (4 * _iota((1, 1, 4), 2) + 2 * gp)) & 3
-        scale = d * _u2f(((sl_bytes >> (4 * gp)) & 0xF) | (hi << 4), magic, 32.0)[..., None]  # [BN, KB, 4, 1]
-        low, high = _iq4_table(qs & 0xF, magic), _iq4_table(qs & 0xF0, magic, unit=16)
-        out.append(Piece(((low, (gp, 0)), (high, (gp, 1))), scale))
+    for half in range(2):
+        idx, sel = index >> (16 * half), pick >> (16 * half)
+        out.append(byte_perm(byte_perm(t0, t1, idx), byte_perm(t2, t3, idx), sel))
     return out
+
+
+def _iq4_xs(p, sl, magic):
+    """Sub-block g = 2*g2 + gp covers qs words (g2, gp, :) of a block: word w holds the sub-block's values 4w + j
+    (low nibble of byte j) and 16 + 4w + j (high nibble), term (h, j) for value 16h + 4w + j."""
+    d = _f16(p["d"][:, sl, :])[..., None, None]  # [BN, KB, 1, 1, 1]
+    sh = p["scales_h"][:, sl, :][..., None].astype(jnp.uint32)  # [BN, KB, 1, 1]
+    sl_bytes = p["scales_l"][:, sl, :][..., None].astype(jnp.uint32)  # [BN, KB, 4, 1]
+    g2, gp = _iota((1, 1, 4, 2), 2), _iota((1, 1, 4, 2), 3)
+    six_bits = ((sl_bytes >> (4 * gp)) & 0xF) | (((sh >> (4 * g2 + 2 * gp)) & 3) << 4)
+    scale = d * _u2f(six_bits, magic, 32.0)[..., None]  # [BN, KB, 4, 2, 1]
+    words = p["qs"][:, sl].astype(jnp.uint32)  # [BN, KB, 4, 2, 4]
+    terms = []
+    if magic.byte_perm:
+        halves = _iq4_codes_by_byte_perm(words, magic)
+        for h in range(2):
+            for j in range(4):  # byte 2 * (j % 2) + h of half j // 2, under the magic exponent
+                bits = byte_perm(halves[j // 2], magic.bits, 0x7650 | (2 * (j % 2) + h))
+                terms.append((lax.bitcast_convert_type(bits, jnp.float32) - (8388608.0 + IQ4_BIAS), (h, j)))
+    else:
+        for h in range(2):
+            for j in range(4):
+                terms.append((_iq4_table((words >> (8 * j + 4 * h)) & 0xF, magic), (h, j)))
+    return [Piece(tuple(terms), scale)]
 
 
 _K_PLANES = {"d": (1,), "dmin": (1,), "scales": (3, 2, 2), "qs": (2, 2, 32)}
@@ -170,11 +202,11 @@ _K_PLANES = {"d": (1,), "dmin": (1,), "scales": (3, 2, 2), "qs": (2, 2, 32)}
 KERNEL_FORMATS: dict[T, KernelFormat] = {
     T.Q8_0: KernelFormat(32, {"d": (1,), "qs": (32,)}, (32,), (0,), (32,), _q8_0),
     T.Q4_K: KernelFormat(256, _K_PLANES, (2, 2, 2, 32), (0, 2, 1, 3), (2, 32),
-                         lambda p, sl, magic: _k_quant(p, sl, magic, with_qh=False), has_offset=True),
+                         lambda p, sl, magic: _k_quant(p, sl, magic, with_qh=False), has_offset=True, reduce_rows=2),
     T.Q5_K: KernelFormat(256, {**_K_PLANES, "qh": (32,)}, (2, 2, 2, 32), (0, 2, 1, 3), (2, 32),
-                         lambda p, sl, magic: _k_quant(p, sl, magic, with_qh=True), has_offset=True),
+                         lambda p, sl, magic: _k_quant(p, sl, magic, with_qh=True), has_offset=True, reduce_rows=2),
     T.Q6_K: KernelFormat(256, {"ql": (2, 2, 2, 16), "qh": (2, 2, 16), "scales": (2, 2, 2, 2), "d": (1,)},
                          (2, 2, 2, 2, 16), (0, 1, 2, 3, 4), (2, 2, 16), _q6_k),
-    T.IQ4_XS: KernelFormat(256, {"d": (1,), "scales_h": (1,), "scales_l": (4,), "qs": (4, 2, 16)},
-                           (4, 2, 2, 16), (1, 2, 0, 3), (4, 16), _iq4_xs),
+    T.IQ4_XS: KernelFormat(256, {"d": (1,), "scales_h": (1,), "scales_l": (4,), "qs": (4, 2, 4)},
+                           (4, 2, 2, 4, 4), (2, 4, 0, 1, 3), (4, 2, 4), _iq4_xs, reduce_rows=4),
 }

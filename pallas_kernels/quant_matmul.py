@@ -1,10 +1,11 @@
 """Fused dequantize-matmul y = x @ W.T for ggml-packed W (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), Pallas on Triton.
 
 One kernel, three regimes chosen by the rows M of x:
-- M == 1 (decode GEMV): each program owns BN output rows and streams their packed blocks once along K; each
-  sub-block's integer values times x are summed unscaled, then scaled once into a float32 register tile
-  (offsets times the sub-block's sum of x, precomputed), reduced once at the end;
-- 2 <= M <= 16 (skinny GEMM): the same stream, x padded to 16 rows, one tensor-core `pl.dot` per piece;
+- M <= the format's reduce_rows (decode GEMV; 1 to 4 rows): each program owns BN output rows and streams their
+  packed blocks once along K, decoding each weight once; per row of x, each sub-block's integer values times x are
+  summed unscaled, then scaled once into a float32 register tile (offsets times the sub-block's sum of x,
+  precomputed), reduced once at the end;
+- up to 16 rows (skinny GEMM): the same stream, x padded to 16 rows, one tensor-core `pl.dot` per piece;
   in both, K is split over several programs where there are too few row tiles to fill the GPU (float32 partial
   sums, added by XLA);
 - M >= 17 (prefill GEMM): a [BM, BN] output tile per program; W decoded to x's dtype (bf16) in registers.
@@ -14,7 +15,9 @@ stacked_quant_matmul is the same kernel on a weight stacked over layers, reading
 
 The decode GEMV is bound by instruction issue, not by memory (an H200 profile: 81% of issue slots busy, 28% of
 memory throughput), so the decoders count instructions: fused multiply-adds (pallas_kernels/fma.py), masks ORed
-with a magic number held in a register, high nibbles decoded in place.
+with a magic number held in a register, high nibbles decoded in place, and on CUDA the IQ4 codebook looked up by
+byte permutes (pallas_kernels/byte_perm.py: 8.0 instead of 11.2 instructions per weight, 33.9 vs 46.8 us for
+17408 x 5120 on an H200).
 """
 from __future__ import annotations
 
@@ -31,16 +34,18 @@ from jax.experimental.pallas import triton as plgpu
 from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
+from pallas_kernels import byte_perm as byte_perm_mod
 from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, Magic
 
 GEMV_MAX_ROWS = 16  # x rows up to this use the streaming kernel, more the tiled GEMM
+REDUCE_MAX_ROWS = 8  # the GEMV reduce takes up to this many rows of x (the formats' defaults: KernelFormat.reduce_rows)
 
 
 @dataclass(frozen=True)
 class BlockSizes:
-    block_m: int  # x rows per program (1: GEMV reduce; 16: skinny dot; more: GEMM)
+    block_m: int  # x rows per program (<= REDUCE_MAX_ROWS: GEMV reduce; 16: skinny dot; more: GEMM)
     block_n: int  # output rows (W rows) per program
     blocks_k: int  # ggml blocks per K step (lowered to a power of two dividing blocks per row)
     num_warps: int
@@ -50,11 +55,13 @@ class BlockSizes:
     @classmethod
     def get_default(cls, ggml_type, m: int) -> BlockSizes:
         """Fastest of a sweep on an H200 in the decoder's setting (a scan over stacked 17408 x 5120 layers read in
-        place; benchmarks/bench_decode_gemv.py --sweep, 2026-11-29); the prefill GEMM from an earlier sweep."""
-        block = KERNEL_FORMATS[ggml_type].block
-        if m == 1:
+        place; benchmarks/bench_decode_gemv.py --sweep, 2026-11-29; the rows per regime and the halved K step of
+        the reduce at 3-4 rows from --rows-sweep, 2026-12-01); the prefill GEMM from an earlier sweep."""
+        fmt = KERNEL_FORMATS[ggml_type]
+        block = fmt.block
+        if m <= fmt.reduce_rows:  # shorter K steps for several rows (registers), measured faster at 4 rows
             block_n, values, warps = _GEMV_TILES.get(ggml_type, (8, 512, 4))
-            return cls(1, block_n, max(1, values // block), warps, 3)
+            return cls(m, block_n, max(1, values // (block * (1 if m <= 2 else 2))), warps, 3)
         if m <= GEMV_MAX_ROWS:
             return cls(16, 32, max(1, _SKINNY_VALUES.get(ggml_type, 512) // block), 4, 3)
         return cls(64, 128, max(1, 64 // block), 4, 3)
@@ -89,7 +96,8 @@ class _Rows:
 _WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
 
 
-def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset, interpret):
+def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset, byte_perm,
+            interpret):
     # [layer], constants, planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block], [x group sums],
     # o [1, BM, BN]
     refs = list(refs)
@@ -102,39 +110,65 @@ def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, 
     split = pl.program_id(2)
     prefix = (layer_ref[0], rows) if stacked else (rows,)
     planes = {name: _Rows(ref, prefix) for name, ref in zip(names, plane_refs)}
-    magic = Magic(const_ref[0], lax.bitcast_convert_type(const_ref[1], jnp.float32))
+    magic = (const_ref[0], lax.bitcast_convert_type(const_ref[1], jnp.float32),
+             tuple(const_ref[2 + i] for i in range(len(KERNEL_CONSTANTS) - 2)))
     if interpret:  # interpreted, the kernel is XLA ops on a constant input: keep XLA from folding the rounding away
-        magic = Magic(*lax.optimization_barrier(tuple(magic)))
+        magic = lax.optimization_barrier(magic)
+    magic = Magic(*magic, byte_perm=byte_perm)
 
-    def step(s, acc):
+    def reduce_step(s, accs):
+        """One K step of the GEMV reduce for every row of x: each weight decoded once, then per row its sub-block's
+        values times x summed, scaled once (plus offset times the sub-block's sum of x)."""
         sl = pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
         for pc in pieces(planes, sl, magic):
-            if reduce:  # sum values * x over each sub-block, then scale it (and add offset * sum of x)
+            new = []
+            for r, acc in enumerate(accs):
                 part = None
                 for values, xi in pc.terms:
-                    x = x_ref[0, sl, *xi].astype(jnp.float32)[None]  # [1, KB, *piece]
+                    x = x_ref[r, sl, *xi].astype(jnp.float32)[None]  # [1, KB, *piece]
                     part = values * x if part is None else fma(values, x, part)
                 if pc.offset is not None:
-                    acc = fma(pc.offset[..., 0], xs_ref[0, sl, *pc.terms[0][1]][None], acc)
-                acc = fma(jnp.sum(part, axis=-1), pc.scale[..., 0], acc)
-            else:
-                for values, xi in pc.terms:
-                    w = values * pc.scale if pc.offset is None else fma(values, pc.scale, pc.offset)
-                    x = x_ref[:, sl, *xi]  # [BM, KB, *piece]
-                    x = x.reshape(x.shape[0], -1).astype(dot_dtype)
-                    acc = acc + lax.dot_general(x, w.reshape(block_n, -1).astype(dot_dtype),
-                                                (((1,), (1,)), ((), ())), precision=precision,
-                                                preferred_element_type=jnp.float32)
+                    acc = fma(pc.offset[..., 0], xs_ref[r, sl, *pc.terms[0][1]][None], acc)
+                new.append(fma(jnp.sum(part, axis=-1), pc.scale[..., 0], acc))
+            accs = tuple(new)
+        return accs
+
+    def dot_step(s, acc):
+        sl = pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
+        for pc in pieces(planes, sl, magic):
+            for values, xi in pc.terms:
+                w = values * pc.scale if pc.offset is None else fma(values, pc.scale, pc.offset)
+                x = x_ref[:, sl, *xi]  # [BM, KB, *piece]
+                x = x.reshape(x.shape[0], -1).astype(dot_dtype)
+                acc = acc + lax.dot_general(x, w.reshape(block_n, -1).astype(dot_dtype),
+                                            (((1,), (1,)), ((), ())), precision=precision,
+                                            preferred_element_type=jnp.float32)
         return acc
 
     if reduce:
-        acc = lax.fori_loop(0, steps, step, jnp.zeros((block_n, kb, *piece[:-1]), jnp.float32))
-        while acc.ndim > 1:
-            acc = acc.sum(axis=-1)
-        o_ref[0] = acc[None, :].astype(o_ref.dtype)
+        zeros = jnp.zeros((block_n, kb, *piece[:-1]), jnp.float32)
+        accs = lax.fori_loop(0, steps, reduce_step, (zeros,) * o_ref.shape[1])
+        for r, acc in enumerate(accs):
+            while acc.ndim > 1:
+                acc = acc.sum(axis=-1)
+            o_ref[0, pl.ds(r, 1), :] = acc[None, :].astype(o_ref.dtype)
     else:
-        acc = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
+        acc = lax.fori_loop(0, steps, dot_step, jnp.zeros(o_ref.shape[1:], jnp.float32))
         o_ref[0] = acc.astype(o_ref.dtype)
+
+
+def uses_byte_perm(interpret: bool) -> bool:
+    """Whether the decoders look codes up by byte permutes: compiled where the GPU has the instruction (CUDA), and
+    interpreted (its XLA form, so the tests check that decoder; the arithmetic one is checked on its own)."""
+    if not byte_perm_mod.REGISTERED:
+        return False
+    return interpret or gpu_platform() in byte_perm_mod.NATIVE_PLATFORMS
+
+
+def gpu_platform() -> str:
+    """'rocm' or 'cuda' for the default GPU backend (both report platform 'gpu')."""
+    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version or "hip" in version else "cuda"
 
 
 def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -178,7 +212,7 @@ def _stacked_block_sizes(ggml_type, m: int, n: int) -> BlockSizes | None:
     block_n = bs.block_n
     while n % block_n:
         block_n //= 2
-    if block_n < (8 if bs.block_m == 1 else 16):
+    if block_n < (8 if bs.block_m <= REDUCE_MAX_ROWS else 16):
         return None
     return dataclasses.replace(bs, block_n=block_n)
 
@@ -194,9 +228,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
                          else _stacked_block_sizes(w.ggml_type, m, n))
     if bs is None:
         raise ValueError(f"no row tile divides the {n} rows of the stacked weight")
-    reduce = bs.block_m == 1
-    if reduce and m != 1:
-        raise ValueError(f"block_m=1 (GEMV reduce) needs one row of x, got {m=}")
+    reduce = bs.block_m <= REDUCE_MAX_ROWS
     blocks = k // fmt.block
     kb = _blocks_per_step(blocks, bs.blocks_k)
     if layer is None:
@@ -224,6 +256,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     kernel = functools.partial(
         _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
         steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype, has_offset=fmt.has_offset,
+        byte_perm=uses_byte_perm(interpret),
         interpret=interpret, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     x_specs = [pl.BlockSpec((bs.block_m, *a.shape[1:]), lambda i, j, s, nd=a.ndim: (i,) + (0,) * (nd - 1))
                for a in x_inputs]

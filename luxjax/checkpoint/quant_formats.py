@@ -2,7 +2,9 @@
 
 A format names the fields of one block in byte order; each field becomes its own device plane of shape
 [rows, blocks_per_row, n] (n = field bytes / itemsize), so a decoder reads aligned fields without byte gathers.
-A decoder maps those planes to float32 [rows, blocks_per_row, block_size].
+A decoder maps those planes to float32 [rows, blocks_per_row, block_size]. IQ4_XS's codes are viewed as uint32
+words (four bytes each, little-endian) for the GPU kernel, which looks codes up a word at a time
+(pallas_kernels/quant_decode.py).
 
 Why the results are bit-identical to gguf.quants (numpy): every scale-times-quant product below is exact in
 float32 (an f16 scale has at most 11 significant bits; sub-scale and quant together add at most 12), so neither the order
@@ -190,12 +192,17 @@ def _q6_k(p: Planes) -> jax.Array:
     return _merge(d * q, 2)
 
 
+def _bytes(words: jax.Array) -> jax.Array:
+    """uint32 [..., n] -> uint8 [..., 4n], the bytes in memory order (little-endian words)."""
+    return _merge(_unpack(words, 1, (0, 8, 16, 24), 0xFF), 3).astype(jnp.uint8)
+
+
 def _iq4_xs(p: Planes) -> jax.Array:
     lo = _merge(_unpack(p["scales_l"], 1, (0, 4), 0xF), 3)  # byte-wise: low nibble, then high
     hi = _merge(_unpack(p["scales_h"], 1, range(0, 16, 2), 3), 3)
     scales = (lo.astype(jnp.int32) | (hi.astype(jnp.int32) << 4)) - 32
     dl = (_f16(p["d"]) * scales.astype(jnp.float32))[..., None]
-    q = _unpack(p["qs"], 16, (0, 4), 0xF)
+    q = _unpack(_bytes(p["qs"]), 16, (0, 4), 0xF)
     q = q.reshape(*q.shape[:-3], 8, 32)
     return _merge(dl * _lookup(IQ4_KVALUES, q), 2)
 
@@ -222,7 +229,7 @@ FORMATS: dict[T, QuantFormat] = {
     T.Q6_K: QuantFormat(
         (Field("ql", 128, u8), Field("qh", 64, u8), Field("scales", 16, i8), Field("d", 2, u16)), _q6_k),
     T.IQ4_XS: QuantFormat(
-        (Field("d", 2, u16), Field("scales_h", 2, u16), Field("scales_l", 4, u8), Field("qs", 128, u8)), _iq4_xs),
+        (Field("d", 2, u16), Field("scales_h", 2, u16), Field("scales_l", 4, u8), Field("qs", 128, u32)), _iq4_xs),
 }
 
 

@@ -153,8 +153,31 @@ def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
 
 def split_linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
     """(split_linear(x, w) for w in ws): prefill-sized products of dense layer slices by the in-place GEMM taking
-    both parts at once (dense_gemm.stacked_gemm's x_lo); the rest through linear_many."""
+    both parts at once (dense_gemm.stacked_gemm's x_lo); the rest through linear_many. Packed weights with few
+    enough rows for the fused kernel's GEMV reduce take x in float32 as it is instead (exact float32 products, the
+    weight decoded once): there the two parts would double the kernel's multiply-adds or, as stacked rows, send
+    it to its slower tensor-core regime (4x slower in an H200 decode step)."""
     ws = tuple(ws)
+    rows = math.prod(x.shape[:-1])
+    direct = [backend.use_pallas() and _reduces(rows, w) for w in ws]
+    if any(direct):
+        out = [linear(x, w, jnp.float32) if take else None for w, take in zip(ws, direct)]
+        rest = [i for i, y in enumerate(out) if y is None]
+        for i, y in zip(rest, _split_products(x, [ws[i] for i in rest])):
+            out[i] = y
+        return tuple(out)
+    return _split_products(x, ws)
+
+
+def _reduces(rows: int, w) -> bool:
+    """Whether `rows` rows of x times packed w take the fused kernel's GEMV reduce by default."""
+    w = w.stacked if isinstance(w, LayerSlice) else w
+    return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS
+            and rows <= KERNEL_FORMATS[w.ggml_type].reduce_rows)
+
+
+def _split_products(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """split_linear for each of ws, x split into its two bf16 parts."""
     hi = x.astype(jnp.bfloat16)
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     rows = math.prod(x.shape[:-1])

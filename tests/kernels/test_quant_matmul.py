@@ -14,12 +14,13 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
+from pallas_kernels.quant_decode import KERNEL_FORMATS
 from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_reference
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 F16_OFFSETS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
-# (rows of x, out, in, x dtype): GEMV reduce (1), skinny dot (3, 16), tiled GEMM (20); odd out pads the tile.
-CASES = [(1, 67, 512, jnp.float32), (3, 64, 768, jnp.bfloat16), (16, 97, 256, jnp.float32),
+# (rows of x, out, in, x dtype): GEMV reduce (1, 3), skinny dot (9, 16), tiled GEMM (20); odd out pads the tile.
+CASES = [(1, 67, 512, jnp.float32), (3, 64, 768, jnp.bfloat16), (9, 40, 512, jnp.bfloat16), (16, 97, 256, jnp.float32),
          (20, 160, 512, jnp.bfloat16)]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # of sum |x||w|: float32 accumulation / bf16 rounding of W and y
 
@@ -67,12 +68,14 @@ def test_kernel_matches_dequantized_matmul(ggml_type, m, out, k, dtype, seed):
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_explicit_block_sizes_pad_rows_and_m(ggml_type, seed):
-    """Tiles that divide neither out nor M, and a K step of one block."""
+    """Tiles that divide neither out nor M, and a K step of one block; for the skinny dot and for the GEMV reduce
+    over three rows of x per program."""
     rng = np.random.default_rng(seed)
     w, dense = random_weight(rng, ggml_type, 45, 768)
     x = jnp.asarray(rng.standard_normal((19, 768)), jnp.float32)
-    got = quant_matmul(x, w, block_sizes=BlockSizes(16, 32, 1, 4, 2), interpret=backend.interpret())
-    check(got, x, dense, jnp.float32, f"{ggml_type.name} BlockSizes(16, 32, 1) seed {seed}")
+    for bs in (BlockSizes(16, 32, 1, 4, 2), BlockSizes(3, 8, 1, 4, 2)):
+        got = quant_matmul(x, w, block_sizes=bs, interpret=backend.interpret())
+        check(got, x, dense, jnp.float32, f"{ggml_type.name} {bs} seed {seed}")
     check(quant_matmul_reference(x, w), x, dense, jnp.float32, f"{ggml_type.name} reference seed {seed}")
 
 
@@ -124,6 +127,46 @@ def test_fma_is_registered_and_rounds_once(seed):
         np.testing.assert_array_equal(np.asarray(got), exact.astype(np.float32))
 
 
+def test_byte_perm_picks_the_selected_bytes(seed):
+    """pallas_kernels.byte_perm reaches Pallas's Triton lowering, and inside a kernel (libdevice's __nv_byte_perm
+    when compiled on CUDA, shifts and masks elsewhere) and in XLA it gives byte i = byte ((s >> 4i) & 7) of
+    [a, b]: checked against numpy indexing the eight little-endian bytes."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.byte_perm import REGISTERED, byte_perm
+
+    assert REGISTERED, "the byte_perm lowering rule could not be registered with this JAX's Pallas Triton lowering"
+    rng = np.random.default_rng(seed)
+    a, b = (rng.integers(0, 2**32, (8, 128), dtype=np.uint32) for _ in range(2))
+    picks = rng.integers(0, 8, (8, 128, 4))
+    selector = (picks << (4 * np.arange(4))).sum(axis=-1).astype(np.uint32)
+    eight = np.concatenate([a[..., None].view(np.uint8), b[..., None].view(np.uint8)], axis=-1)  # [8, 128, 8]
+    want = np.take_along_axis(eight, picks, axis=-1).copy().view(np.uint32)[..., 0]
+
+    def kernel(a_ref, b_ref, s_ref, o_ref):
+        o_ref[...] = byte_perm(a_ref[...], b_ref[...], s_ref[...])
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, jnp.uint32),
+                         interpret=backend.interpret())(a, b, selector)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(byte_perm)(a, b, selector)), want)
+
+
+@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("byte_perm", [True, False], ids=["byte_perm", "arithmetic"])
+def test_iq4_decoders_match_gguf(monkeypatch, m, byte_perm, seed):
+    """Both IQ4 codebook decoders: byte permutes (what CUDA runs) and the polynomial (what ROCm runs), whichever
+    this platform would choose."""
+    import pallas_kernels.quant_matmul as qm
+
+    monkeypatch.setattr(qm, "uses_byte_perm", lambda interpret: byte_perm)
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, T.IQ4_XS, 24, 768)
+    x = jnp.asarray(rng.standard_normal((m, 768)), jnp.float32)
+    check(quant_matmul(x, w, interpret=backend.interpret()), x, dense, jnp.float32,
+          f"IQ4_XS x[{m},768] byte_perm={byte_perm} seed {seed}")
+
+
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_float32_output_is_the_unrounded_accumulator(m, seed):
     """out_dtype=float32 with bf16 x: the same accumulator the bf16 output is rounded from, left unrounded."""
@@ -157,14 +200,15 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     assert len(calls) == 2, "prefill-sized x should take the XLA path"
 
 
-@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 9, 40])
 @pytest.mark.parametrize("weight", ["bf16", "Q4_K"])
 @pytest.mark.parametrize("pallas", [False, True])
 def test_split_linear_keeps_float32_inputs(monkeypatch, seed, rows, weight, pallas):
     """split_linear (float32 x, low-precision W) lands within float32 rounding of the exact product of x and W as
     bf16 matmuls see it (stored or dequantized values rounded to bf16), far closer than the product of bf16-rounded
     x; on the kernel path (interpreted on CPU) too, for row counts whose stacked halves fit the kernel (9 -> one call
-    each) or not (40 -> XLA)."""
+    each) or not (40 -> XLA). Packed W with few rows on the kernel path takes x whole into the GEMV reduce, which
+    never rounds W: there the exact dequantized W is the reference."""
     rng = np.random.default_rng(seed)
     out, k = 48, 512
     if weight == "bf16":
@@ -175,7 +219,8 @@ def test_split_linear_keeps_float32_inputs(monkeypatch, seed, rows, weight, pall
     x = rng.normal(0, 1, (rows, k)).astype(np.float32)
     monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
     monkeypatch.setattr(backend, "interpret", lambda: True)
-    dense = np.asarray(jnp.asarray(dense, jnp.bfloat16).astype(jnp.float32), np.float64)
+    if not (pallas and weight != "bf16" and rows <= KERNEL_FORMATS[T.Q4_K].reduce_rows):
+        dense = np.asarray(jnp.asarray(dense, jnp.bfloat16).astype(jnp.float32), np.float64)
     exact = x.astype(np.float64) @ dense.T
     got = np.asarray(linear_mod.split_linear(jnp.asarray(x), w), np.float64)
     rounded = np.asarray(linear_mod.linear(jnp.asarray(x, jnp.bfloat16), w, jnp.float32), np.float64)

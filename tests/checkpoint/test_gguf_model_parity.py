@@ -30,7 +30,10 @@ DECODER_CASES = ("text", "one_image")
 MMPROJ_CASES = ("one_image",)  # with the BF16 decoder the text case cannot differ
 QUANT_DECODERS = ("Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS", "Q4_0")
 QUANT_MMPROJS = ("F16", "Q8_0")
-LOGIT_ATOL = 1e-3  # BF16 against transformers measured 5.8e-4 (two_images); packed against F32 copy: arithmetic only
+# BF16 against transformers measured 5.8e-4 (two_images) on one CPU, 1.13e-3 on another (AMD EPYC, 2 cores: XLA:CPU's
+# bf16 arithmetic differs by CPU)
+LOGIT_ATOL = 1.5e-3
+PACKED_ATOL = 1e-3  # packed against the F32 copy of its own dequantized weights: arithmetic only
 MEMORY_SLACK = 1.1
 GREEDY_TOKENS = 12
 
@@ -188,7 +191,7 @@ def check_against_copy(packed: Path, copy: Path, load: Callable[[Path], luxjax.M
         kl, top1 = kl_and_top1(bf16_logits[case], got)
         summary.append(f"{packed.name:<34} {case:<10} {kl:>12.3e} {top1:>7.3f}")
         print(f"{packed.name} {case}: max |packed - F32 copy| {diff:.2e}, KL(BF16||q) {kl:.3e}, top-1 {top1:.3f}")
-        assert diff <= LOGIT_ATOL, f"{packed.name} {case}: max |packed - F32 copy| {diff:.2e}"
+        assert diff <= PACKED_ATOL, f"{packed.name} {case}: max |packed - F32 copy| {diff:.2e}"
 
 
 @pytest.mark.parametrize("quant", QUANT_DECODERS)

@@ -129,7 +129,7 @@ def test_stacked_gemm_refuses_what_it_cannot_tile():
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("m", [1, 2, 4, 6])  # the GEMV reduce over 1, 2 and 4 rows (each format up to its own), skinny
 def test_stacked_quant_matmul_reads_the_chosen_layer(ggml_type, m, seed, interpret):
     rng = np.random.default_rng(seed)
     layers, out, k = int(rng.integers(2, 4)), 64, 512

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
+from luxjax.ops import backend
 from pallas_kernels import byte_perm as byte_perm_mod
 from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
 from pallas_kernels.fma import fma
@@ -162,13 +163,7 @@ def uses_byte_perm(interpret: bool) -> bool:
     interpreted (its XLA form, so the tests check that decoder; the arithmetic one is checked on its own)."""
     if not byte_perm_mod.REGISTERED:
         return False
-    return interpret or gpu_platform() in byte_perm_mod.NATIVE_PLATFORMS
-
-
-def gpu_platform() -> str:
-    """'rocm' or 'cuda' for the default GPU backend (both report platform 'gpu')."""
-    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
-    return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return interpret or backend.gpu_platform() in byte_perm_mod.NATIVE_PLATFORMS
 
 
 def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:

@@ -39,6 +39,15 @@ def use_pallas() -> bool:
     return choice == "pallas" or jax.default_backend() == "gpu"
 
 
+def gpu_platform() -> str:
+    """'rocm' or 'cuda' for the default GPU backend (JAX reports platform 'gpu' for both), for kernels whose fast
+    form exists on one of them only; the backend's own name elsewhere ('cpu')."""
+    if jax.default_backend() != "gpu":
+        return jax.default_backend()
+    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version or "hip" in version else "cuda"
+
+
 def interpret() -> bool:
     """Pallas kernels run compiled on a GPU and interpreted elsewhere."""
     return jax.default_backend() != "gpu"

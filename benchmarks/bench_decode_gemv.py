@@ -164,7 +164,7 @@ ROWS_SWEEP_SHAPES = {"IQ4_XS": (17408, 5120), "Q4_K": (17408, 5120), "Q5_K": (51
 
 def rows_sweep(formats, deadline: float, key) -> list[dict]:
     """Packed weights at 1..16 rows of x: the GEMV reduce (each weight decoded once, one multiply-add per row; full
-    and halved K steps) against the tensor-core skinny dot (three K steps), float32 x as well at 1 and 2 rows (what
+    and halved K steps) against the tensor-core skinny dot (three K step sizes), float32 x as well at 1 and 2 rows (what
     split_linear sends). Sets KernelFormat.reduce_rows: the most rows where the reduce wins."""
     rows = []
     for fmt in formats:

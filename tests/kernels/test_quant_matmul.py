@@ -155,8 +155,8 @@ def test_byte_perm_picks_the_selected_bytes(seed):
 @pytest.mark.parametrize("m", [1, 3, 20])
 @pytest.mark.parametrize("byte_perm", [True, False], ids=["byte_perm", "arithmetic"])
 def test_iq4_decoders_match_gguf(monkeypatch, m, byte_perm, seed):
-    """Both IQ4 codebook decoders: byte permutes (what CUDA runs) and the polynomial (what ROCm runs), whichever
-    this platform would choose."""
+    """Both IQ4 codebook decoders against gguf, whatever this platform would choose: byte permutes (what CUDA runs)
+    and the polynomial (what ROCm runs)."""
     import pallas_kernels.quant_matmul as qm
 
     monkeypatch.setattr(qm, "uses_byte_perm", lambda interpret: byte_perm)

@@ -33,12 +33,12 @@ class Magic(NamedTuple):
     """The magic numbers as values loaded at run time, not literals: an OR with a register folds into the mask
     before it (one LOP3 on NVIDIA instead of two), and compilers cannot fold the rounding trick's constant additions
     away (XLA turns (a + (c + M)) - M into a + c). The kernel wrapper passes KERNEL_CONSTANTS, and whether to look
-    IQ4 codes up by byte permutes (`byte_perm`, static: where the platform has the instruction)."""
+    IQ4 codes up by byte permutes (`use_byte_perm`, static: where the platform has the instruction)."""
 
     bits: jax.Array  # uint32 MAGIC
     round: jax.Array  # float32 ROUND_MAGIC
     iq4_table: tuple[jax.Array, ...]  # four uint32 words: IQ4 codebook + IQ4_BIAS, one byte per code
-    byte_perm: bool = False
+    use_byte_perm: bool = False
 
 
 IQ4_BIAS = 128  # added to the codebook so each value is an unsigned byte (1..241)
@@ -184,7 +184,7 @@ def _iq4_xs(p, sl, magic):
     scale = d * _u2f(six_bits, magic, 32.0)[..., None]  # [BN, KB, 4, 2, 1]
     words = p["qs"][:, sl].astype(jnp.uint32)  # [BN, KB, 4, 2, 4]
     terms = []
-    if magic.byte_perm:
+    if magic.use_byte_perm:
         halves = _iq4_codes_by_byte_perm(words, magic)
         for h in range(2):
             for j in range(4):  # byte 2 * (j % 2) + h of half j // 2, under the magic exponent

@@ -35,7 +35,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from luxjax.ops import backend
-from pallas_kernels import byte_perm as byte_perm_mod
+from pallas_kernels import byte_perm
 from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, Magic
@@ -97,8 +97,8 @@ class _Rows:
 _WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
 
 
-def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset, byte_perm,
-            interpret):
+def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset,
+            use_byte_perm, interpret):
     # [layer], constants, planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block], [x group sums],
     # o [1, BM, BN]
     refs = list(refs)
@@ -115,12 +115,16 @@ def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, 
              tuple(const_ref[2 + i] for i in range(len(KERNEL_CONSTANTS) - 2)))
     if interpret:  # interpreted, the kernel is XLA ops on a constant input: keep XLA from folding the rounding away
         magic = lax.optimization_barrier(magic)
-    magic = Magic(*magic, byte_perm=byte_perm)
+    magic = Magic(*magic, use_byte_perm=use_byte_perm)
+
+    def k_slice(s):
+        """The blocks of K step s of this program's share of K."""
+        return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
 
     def reduce_step(s, accs):
         """One K step of the GEMV reduce for every row of x: each weight decoded once, then per row its sub-block's
         values times x summed, scaled once (plus offset times the sub-block's sum of x)."""
-        sl = pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
+        sl = k_slice(s)
         for pc in pieces(planes, sl, magic):
             new = []
             for r, acc in enumerate(accs):
@@ -135,7 +139,7 @@ def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, 
         return accs
 
     def dot_step(s, acc):
-        sl = pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
+        sl = k_slice(s)
         for pc in pieces(planes, sl, magic):
             for values, xi in pc.terms:
                 w = values * pc.scale if pc.offset is None else fma(values, pc.scale, pc.offset)
@@ -161,9 +165,9 @@ def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, 
 def uses_byte_perm(interpret: bool) -> bool:
     """Whether the decoders look codes up by byte permutes: compiled where the GPU has the instruction (CUDA), and
     interpreted (its XLA form, so the tests check that decoder; the arithmetic one is checked on its own)."""
-    if not byte_perm_mod.REGISTERED:
+    if not byte_perm.REGISTERED:
         return False
-    return interpret or backend.gpu_platform() in byte_perm_mod.NATIVE_PLATFORMS
+    return interpret or backend.gpu_platform() in byte_perm.NATIVE_PLATFORMS
 
 
 def _pad_to(a: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -251,7 +255,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     kernel = functools.partial(
         _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
         steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype, has_offset=fmt.has_offset,
-        byte_perm=uses_byte_perm(interpret),
+        use_byte_perm=uses_byte_perm(interpret),
         interpret=interpret, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     x_specs = [pl.BlockSpec((bs.block_m, *a.shape[1:]), lambda i, j, s, nd=a.ndim: (i,) + (0,) * (nd - 1))
                for a in x_inputs]

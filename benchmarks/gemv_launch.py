@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from gguf.constants import GGMLQuantizationType as T  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from benchmarks.quant_plan import random_packed  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--out", type=int, default=17408)
     ap.add_argument("--in", dest="k", type=int, default=5120)
     ap.add_argument("--rows", type=int, default=1, help="rows of x (1..16)")
+    ap.add_argument("--tiles", help="packed kernel's BLOCK_N,VALUES_PER_K_STEP,WARPS (default: the kernel's choice)")
     args = ap.parse_args()
     key_w, key_x = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (args.rows, args.k), jnp.bfloat16)
@@ -41,7 +42,13 @@ def main():
     else:
         one = random_packed((args.out, args.k), T[args.format], key_w, jnp.bfloat16)
         stacked = jax.tree.map(lambda a: a[None], one)
-        product = jax.jit(lambda x, w: quant_matmul.stacked_quant_matmul(x, w, layer,
+        block_sizes, block = None, GGML_QUANT_SIZES[T[args.format]][0]
+        if args.tiles:
+            default = quant_matmul.BlockSizes.get_default(T[args.format], args.rows)
+            block_n, values, warps = map(int, args.tiles.split(","))
+            block_sizes = quant_matmul.BlockSizes(default.block_m, block_n, max(1, values // block), warps,
+                                                  default.num_stages)
+        product = jax.jit(lambda x, w: quant_matmul.stacked_quant_matmul(x, w, layer, block_sizes=block_sizes,
                                                                              interpret=backend.interpret()))
     for _ in range(2):
         jax.block_until_ready(product(x, stacked))

@@ -19,9 +19,9 @@ from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_r
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 F16_OFFSETS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
-# (rows of x, out, in, x dtype): GEMV reduce (1, 3), skinny dot (9, 16), tiled GEMM (20); odd out pads the tile.
-CASES = [(1, 67, 512, jnp.float32), (3, 64, 768, jnp.bfloat16), (9, 40, 512, jnp.bfloat16), (16, 97, 256, jnp.float32),
-         (20, 160, 512, jnp.bfloat16)]
+# (rows of x, out, in, x dtype): GEMV reduce (1, 2, 3), skinny dot (9, 16), tiled GEMM (20); odd out pads the tile.
+CASES = [(1, 67, 512, jnp.float32), (2, 48, 2048, jnp.bfloat16), (3, 64, 768, jnp.bfloat16),
+         (9, 40, 512, jnp.bfloat16), (16, 97, 256, jnp.float32), (20, 160, 512, jnp.bfloat16)]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # of sum |x||w|: float32 accumulation / bf16 rounding of W and y
 
 
@@ -92,6 +92,24 @@ def test_k_splits_sum_every_part(ggml_type, m, splits, seed):
     bs = BlockSizes(1 if m == 1 else 16, 16, 1, 4, 2, splits=splits)
     got = quant_matmul(x, w, block_sizes=bs, interpret=backend.interpret())
     check(got, x, dense, jnp.float32, f"{ggml_type.name} x[{m},{k}] {splits} splits seed {seed}")
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2])
+def test_float32_x_of_the_gemv_changes_no_value(ggml_type, m, seed):
+    """bf16 x widened to float32 before the GEMV reduce (BlockSizes.x_float32) or inside it: the same float32
+    products, so both within float32 accumulation of the float64 product (not bit for bit: the compiler may sum in
+    another order)."""
+    rng = np.random.default_rng(seed)
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    k = 4 * max(block, 64)
+    w, dense = random_weight(rng, ggml_type, 32, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    got = {wide: quant_matmul(x, w, block_sizes=BlockSizes(m, 16, 1, 4, 2, x_float32=wide), out_dtype=jnp.float32,
+                              interpret=backend.interpret()) for wide in (False, True)}
+    msg = f"{ggml_type.name} x[{m},{k}] seed {seed}"
+    for wide, y in got.items():
+        check(y, x, dense, jnp.float32, f"{msg} x_float32={wide}")
 
 
 def test_k_splits_must_divide_the_blocks():

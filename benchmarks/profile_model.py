@@ -8,8 +8,6 @@ is compiled first, then traced for a few calls; the table lists the kernels with
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
 import json
 import os
 import sys
@@ -27,25 +25,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_model import build_torch_model, image_prompt_ids, random_image  # noqa: E402
 from benchmarks.model_configs import CONFIGS  # noqa: E402
 from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
-
-
-def gpu_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
-    """{kernel name: (launches, total µs)} over the GPU streams of the perfetto trace jax.profiler wrote."""
-    path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
-    events = json.loads(gzip.decompress(path.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", "")).upper()}
-    threads = {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", "")) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu_pids}
-    # A GPU's trace has a line per stream (the kernels) beside lines of XLA ops and modules spanning them.
-    streams = {key for key, name in threads.items() if name.lower().startswith("stream")}
-    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-            totals[e["name"]][0] += 1
-            totals[e["name"]][1] += float(e.get("dur", 0.0))
-    return {name: (n, us) for name, (n, us) in totals.items()}
+from benchmarks.timing import gpu_kernel_times  # noqa: E402
 
 
 def profile_phase(name: str, fn, calls: int) -> dict:

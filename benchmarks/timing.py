@@ -1,7 +1,12 @@
-"""Timing shared by the kernel benchmarks."""
+"""Timing shared by the kernel benchmarks: wall-clock medians, and GPU kernel durations from a profiler trace."""
 from __future__ import annotations
 
+import collections
+import gzip
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,3 +22,42 @@ def median_ms(fn, *args, repeats: int = 15, warmups: int = 1) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
     return 1e3 * float(np.median(times))
+
+
+def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
+    """(kernel name, µs) of each kernel on the GPU streams of the perfetto trace jax.profiler wrote; [] when the trace
+    has no GPU (a CPU run)."""
+    path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", "")).upper()}
+    threads = {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu_pids}
+    # A GPU's trace has a line per stream (the kernels) beside lines of XLA ops and modules spanning them.
+    streams = {key for key, name in threads.items() if name.lower().startswith("stream")}
+    return [(e["name"], float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+
+
+def gpu_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
+    """{kernel name: (launches, total µs)} over the GPU streams of the trace."""
+    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in gpu_kernel_events(trace_dir):
+        totals[name][0] += 1
+        totals[name][1] += us
+    return {name: (n, us) for name, (n, us) in totals.items()}
+
+
+def kernel_ms(fn, *args, prefix: str, calls: int = 3, warmups: int = 1) -> float | None:
+    """Median GPU milliseconds of one launch of the kernels whose names start with `prefix`, over a profiler trace of
+    `calls` calls of fn(*args) after `warmups`; None where the trace holds no such kernel (on a CPU, say). Unlike a
+    wall-clock median this leaves out dispatch, the small ops around the kernel and a loop's per-iteration cost."""
+    for _ in range(warmups):
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        durations = [us for name, us in gpu_kernel_events(d) if name.startswith(prefix)]
+    return float(np.median(durations)) / 1e3 if durations else None

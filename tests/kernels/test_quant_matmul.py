@@ -96,7 +96,7 @@ def test_k_splits_sum_every_part(ggml_type, m, splits, seed):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2])
-def test_float32_x_of_the_gemv_changes_no_value(ggml_type, m, seed):
+def test_gemv_reduce_with_x_widened_before_or_in_the_kernel(ggml_type, m, seed):
     """bf16 x widened to float32 before the GEMV reduce (BlockSizes.x_float32) or inside it: the same float32
     products, so both within float32 accumulation of the float64 product (not bit for bit: the compiler may sum in
     another order)."""

@@ -54,6 +54,11 @@ class BlockSizes:
     splits: int | None = None  # programs sharing one row tile, each over a 1/splits of K (None: enough for the GPU)
     x_float32: bool | None = None  # GEMV reduce: x widened to float32 before the kernel (None: for one row of x)
 
+    @property
+    def widens_x(self) -> bool:
+        """Whether the GEMV reduce gets x widened to float32 before the kernel (see _kernel)."""
+        return self.block_m == 1 if self.x_float32 is None else self.x_float32
+
     @classmethod
     def get_default(cls, ggml_type, m: int) -> BlockSizes:
         """Fastest of a sweep on an H200 in the decoder's setting (a scan over stacked 17408 x 5120 layers read in
@@ -62,9 +67,10 @@ class BlockSizes:
         fmt = KERNEL_FORMATS[ggml_type]
         block = fmt.block
         if m <= fmt.reduce_rows:  # shorter K steps for several rows (registers), measured faster at 4 rows
-            block_n, values, warps, x_float32 = _FLOAT32_X_TILES.get(
-                (ggml_type, m), (*_GEMV_TILES.get(ggml_type, (8, 512, 4)), m == 1))
-            return cls(m, block_n, max(1, values // (block * (1 if m <= 2 else 2))), warps, 3, x_float32=x_float32)
+            wide = _FLOAT32_X_TILES.get((ggml_type, m))
+            block_n, values, warps = wide or _GEMV_TILES.get(ggml_type, (8, 512, 4))
+            return cls(m, block_n, max(1, values // (block * (1 if m <= 2 else 2))), warps, 3,
+                       x_float32=True if wide else None)
         if m <= GEMV_MAX_ROWS:
             return cls(16, 32, max(1, _SKINNY_VALUES.get(ggml_type, 512) // block), 4, 3)
         return cls(64, 128, max(1, 64 // block), 4, 3)
@@ -72,10 +78,10 @@ class BlockSizes:
 
 # Swept per format: (block_n, values per K step, warps) of the GEMV reduce; values per K step of the skinny dot.
 _GEMV_TILES = {T.IQ4_XS: (8, 1024, 8), T.Q4_K: (16, 512, 4), T.Q5_K: (8, 1024, 8), T.Q6_K: (8, 512, 4)}
-# (block_n, values per K step, warps, x_float32) where float32 x changed the best tiles, by (format, rows of x): kernel
-# times from a profiler trace on an H200, 17408 x 5120 and 5120 x 17408 (2026-12-01, benchmarks/RESULTS.md).
-_FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8, True), (T.Q4_K, 2): (16, 1024, 8, True),
-                    (T.Q6_K, 1): (16, 1024, 8, True)}
+# (block_n, values per K step, warps) with x widened to float32, where that changed the best tiles, by (format, rows
+# of x): kernel times from a profiler trace on an H200, 17408 x 5120 and 5120 x 17408 (2026-12-01,
+# benchmarks/RESULTS.md).
+_FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8), (T.Q4_K, 2): (16, 1024, 8), (T.Q6_K, 1): (16, 1024, 8)}
 _SKINNY_VALUES = {T.IQ4_XS: 256, T.Q6_K: 256}
 
 
@@ -105,7 +111,7 @@ _WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
 
 def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset,
             use_byte_perm, interpret):
-    """The GEMV reduce takes x in float32 where BlockSizes.x_float32 says (one row; Q4_K's two): widening bf16 in the
+    """The GEMV reduce takes x in float32 where BlockSizes.widens_x says (one row; Q4_K's two): widening bf16 in the
     kernel cost 1.5 instructions per weight (an H200's SASS: each thread widens its own x elements, by a shift or a
     permute and a multiply by 2^16 each), a fifth of the loop; for IQ4_XS at two rows float32 x measured slower
     (twice the bytes of x per weight loaded)."""
@@ -249,7 +255,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
         planes = {name: w.planes[name].reshape(-1, n, blocks, *shape) for name, shape in fmt.planes.items()}
     xp = x.reshape(m, blocks, *fmt.x_split)
     xp = xp.transpose(0, 1, *(2 + a for a in fmt.x_perm))
-    if reduce and (bs.block_m == 1 if bs.x_float32 is None else bs.x_float32):  # fused into the permute: see _kernel
+    if reduce and bs.widens_x:  # fused into the permute XLA already does: see _kernel
         xp = xp.astype(jnp.float32)
     xp = _pad_to(xp, 0, bs.block_m)
     mp, np_ = xp.shape[0], planes[next(iter(planes))].shape[0 if layer is None else 1]

@@ -99,10 +99,25 @@ def vision_cases(rng):
         t_pl = time_op(lambda q, k, v, s: vision_attention(q, k, v, s, scale=Dv**-0.5), q, k, v, seg, n=10)
         t_xla = time_op(lambda q, k, v, s: xla_block_diagonal_attention(q, k, v, s, scale=Dv**-0.5), q, k, v, seg,
                         n=10)
-        tflops = 4 * sum(n * n for n in sizes) * H * Dv / t_pl / 1e12
-        yield dict(kernel="vision attention", shape=f"images {'+'.join(map(str, sizes))} x {H}h x {Dv}d",
-                   pallas_us=t_pl * 1e6, xla_us=t_xla * 1e6, metric=f"{tflops:.0f} TFLOP/s",
-                   of_peak=tflops / BF16_TFLOPS)
+        shape = f"images {'+'.join(map(str, sizes))} x {H}h x {Dv}d"
+        for name, t in (("vision attention", t_pl), ("vision attention, cuDNN packed", cudnn_vision_time(q, k, v, seg))):
+            if t is None:
+                continue
+            tflops = 4 * sum(n * n for n in sizes) * H * Dv / t / 1e12
+            yield dict(kernel=name, shape=shape, pallas_us=t * 1e6, xla_us=t_xla * 1e6, metric=f"{tflops:.0f} TFLOP/s",
+                       of_peak=tflops / BF16_TFLOPS)
+
+
+def cudnn_vision_time(q, k, v, seg):
+    """Seconds per call of the vision op's cuDNN path (segments prepared once, as the tower does), or None where
+    cuDNN's packed attention is unavailable."""
+    from luxjax.ops import attention, backend
+
+    if not backend.cudnn_packed_attention():
+        return None
+    segments = attention.image_segments(seg)
+    return time_op(lambda q, k, v: attention.cudnn_block_diagonal_attention(q, k, v, segments, scale=q.shape[-1]**-0.5),
+                   q, k, v, n=10)
 
 
 def deltanet_inputs(rng, B, T):

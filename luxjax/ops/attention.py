@@ -1,12 +1,15 @@
 """Attention ops: causal attention of a chunk of queries over a per-sequence KV cache, and the vision tower's
 block-diagonal attention. Each public function picks the Pallas kernel (luxjax.ops.backend.use_pallas() and a
-supported shape) or the XLA path below, which is also the kernels' test oracle.
+supported shape) or the XLA path below, which is also the kernels' test oracle; on CUDA the block-diagonal
+attention takes cuDNN's fused attention where it runs (backend.cudnn_packed_attention).
 
 q [B, T, Hq, D] (already rotated); k_cache, v_cache [B, S, Hkv, D] already holding this chunk's keys at
 positions start[b] .. start[b]+T-1. Query t of sequence b sees cache slots 0 .. start[b]+t. GQA: query head h
 uses kv head h // (Hq // Hkv). Softmax in float32.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -58,14 +61,75 @@ def write_kv(cache, new, start, valid):
     return jax.vmap(one)(cache, new, start, valid)
 
 
-def block_diagonal_attention(q, k, v, segment_ids, *, scale: float):
-    """Bidirectional attention confined to equal segment ids (one id per image, each a contiguous run;
-    -1 = padding). q, k, v [N, H, D] -> [N, H, D]."""
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ImageSegments:
+    """The images of a vision batch: ids [N] (one id per image, each a contiguous run of patches; -1 = padding),
+    and the runs as cuDNN's packed-sequence attention takes them: lengths [M] and offsets [M + 1] of the first
+    max_segments runs (-1 past the last), and fits: whether every run is among them. Computed once per tower call
+    (image_segments), not once per layer."""
+
+    ids: jax.Array
+    lengths: jax.Array
+    offsets: jax.Array
+    fits: jax.Array  # bool scalar
+
+
+MAX_PACKED_SEGMENTS = 32  # images per tower call on cuDNN's packed path; a call with more takes the kernel
+
+
+def image_segments(ids: jax.Array, max_segments: int = MAX_PACKED_SEGMENTS) -> ImageSegments:
+    """ImageSegments of patch image ids [N] (contiguous runs, -1 = padding)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    starts_here = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]]) & (ids >= 0)
+    ends_here = jnp.concatenate([ids[1:] != ids[:-1], jnp.ones((1,), bool)]) & (ids >= 0)
+    starts = jnp.nonzero(starts_here, size=max_segments, fill_value=-1)[0].astype(jnp.int32)
+    ends = jnp.nonzero(ends_here, size=max_segments, fill_value=-2)[0].astype(jnp.int32) + 1
+    count = jnp.sum(starts_here)
+    kept = jnp.minimum(count, max_segments)
+    lengths = jnp.where(starts >= 0, ends - starts, -1)
+    end_of_kept = jnp.where(kept > 0, ends[jnp.maximum(kept - 1, 0)], 0)
+    offsets = jnp.where(jnp.arange(max_segments + 1) == kept, end_of_kept,
+                        jnp.concatenate([starts, jnp.full((1,), -1, jnp.int32)]))
+    return ImageSegments(ids, lengths, offsets, count <= max_segments)
+
+
+def block_diagonal_attention(q, k, v, segments, *, scale: float):
+    """Bidirectional attention confined to each image: q, k, v [N, H, D] -> [N, H, D]; segments: ImageSegments,
+    or the patch image ids [N] themselves (contiguous runs; -1 = padding, whose rows come out zero).
+
+    On CUDA cuDNN's fused attention takes the images packed in one call (backend.cudnn_packed_attention), else
+    the Pallas kernel, else XLA."""
+    ids = segments.ids if isinstance(segments, ImageSegments) else segments
+    if _cudnn_applies(q) and backend.cudnn_packed_attention():
+        packed = segments if isinstance(segments, ImageSegments) else image_segments(ids)
+        return jax.lax.cond(packed.fits, lambda: cudnn_block_diagonal_attention(q, k, v, packed, scale=scale),
+                            lambda: _kernel_block_diagonal_attention(q, k, v, ids, scale=scale))
+    return _kernel_block_diagonal_attention(q, k, v, ids, scale=scale)
+
+
+def _cudnn_applies(q) -> bool:
+    """cuDNN's fused attention: 16-bit inputs, head dim a multiple of 8 up to 128."""
+    return q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+
+
+def _kernel_block_diagonal_attention(q, k, v, segment_ids, *, scale: float):
     if backend.use_pallas() and q.shape[-1] <= 256:
         from pallas_kernels.vision_attention import vision_attention
 
         return vision_attention(q, k, v, segment_ids, scale=scale, interpret=backend.interpret())
     return xla_block_diagonal_attention(q, k, v, segment_ids, scale=scale)
+
+
+def cudnn_block_diagonal_attention(q, k, v, segments: ImageSegments, *, scale: float):
+    """block_diagonal_attention by cuDNN's fused attention, the images as packed sequences of one batch row
+    (JAX's cuDNN binding: jax.nn.dot_product_attention exposes no packing). Needs segments.fits."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    lengths, offsets = segments.lengths[None], segments.offsets[None]
+    out = cudnn.dot_product_attention(q[None], k[None], v[None], None, None, lengths, lengths, offsets, offsets,
+                                      scale=scale, mask_type=cudnn.MaskType.PADDING)[0]
+    return jnp.where((segments.ids >= 0)[:, None, None], out, 0).astype(q.dtype)
 
 
 def xla_block_diagonal_attention(q, k, v, segment_ids, *, scale: float):

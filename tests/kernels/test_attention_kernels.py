@@ -1,6 +1,7 @@
 """Decode, prefill and vision attention kernels vs the XLA attention ops."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,3 +139,59 @@ def test_ops_dispatch_to_kernels(seed, monkeypatch):
     err = rel_err(attention.block_diagonal_attention(q, q, q, seg, scale=0.1),
                   attention.xla_block_diagonal_attention(q, q, q, seg, scale=0.1))
     assert err < 2e-5, f"block_diagonal_attention: rel err {err:.2e}, seed {seed}"
+
+
+def _random_runs(rng, max_runs: int) -> np.ndarray:
+    """Patch image ids: 1..max_runs contiguous runs of random lengths, then 0..8 padding rows (-1)."""
+    sizes = rng.integers(1, 40, size=int(rng.integers(1, max_runs + 1)))
+    return np.concatenate([np.full(n, i) for i, n in enumerate(sizes)] + [np.full(int(rng.integers(0, 9)), -1)])
+
+
+@pytest.mark.parametrize("max_segments", [1, 3, 8])
+def test_image_segments_are_the_runs(seed, max_segments):
+    """image_segments' packed-sequence lengths and offsets against the runs numpy finds; fits says whether every
+    run is among the first max_segments."""
+    from luxjax.ops.attention import image_segments
+
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        ids = _random_runs(rng, 6)
+        starts = [i for i in range(len(ids)) if ids[i] >= 0 and (i == 0 or ids[i] != ids[i - 1])]
+        ends = [i + 1 for i in range(len(ids)) if ids[i] >= 0 and (i + 1 == len(ids) or ids[i + 1] != ids[i])]
+        seg = image_segments(jnp.asarray(ids, jnp.int32), max_segments)
+        kept = min(len(starts), max_segments)
+        want_lengths = [e - s for s, e in zip(starts, ends)][:kept] + [-1] * (max_segments - kept)
+        want_offsets = starts[:kept] + [ends[kept - 1]] + [-1] * (max_segments - kept)
+        assert np.asarray(seg.lengths).tolist() == want_lengths, f"{ids.tolist()}, seed {seed}"
+        assert np.asarray(seg.offsets).tolist() == want_offsets, f"{ids.tolist()}, seed {seed}"
+        assert bool(seg.fits) == (len(starts) <= max_segments), f"{ids.tolist()}, seed {seed}"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a CUDA GPU")
+@pytest.mark.parametrize("d", [72, 64])
+def test_cudnn_block_diagonal_attention(seed, d):
+    """cuDNN's packed-sequence attention (where backend.cudnn_packed_attention finds it) and the op's choice of it,
+    against the float32 XLA path; a batch with more images than MAX_PACKED_SEGMENTS takes the kernel instead."""
+    from luxjax.ops import attention, backend
+
+    backend.cudnn_packed_attention.cache_clear()
+    outside = backend.cudnn_packed_attention()
+    backend.cudnn_packed_attention.cache_clear()  # first asked while a jit traces (as by the tower): same answer
+    inside = []
+    jax.jit(lambda x: (inside.append(backend.cudnn_packed_attention()), x)[1])(jnp.zeros(1))
+    assert inside == [outside]
+    if not outside:
+        pytest.skip("cuDNN packed attention is not available on this GPU stack")
+    rng = np.random.default_rng(seed)
+    for ids in (_random_runs(rng, 6), np.repeat(np.arange(attention.MAX_PACKED_SEGMENTS + 3), 3)):
+        ids = jnp.asarray(ids, jnp.int32)
+        q, k, v = (_normal(rng, (ids.shape[0], 3, d), jnp.bfloat16) for _ in range(3))
+        ref = attention.xla_block_diagonal_attention(*(a.astype(jnp.float32) for a in (q, k, v)), ids, scale=d**-0.5)
+        segments = attention.image_segments(ids)
+        outs = {"op": attention.block_diagonal_attention(q, k, v, ids, scale=d**-0.5)}
+        if bool(segments.fits):
+            outs["cudnn"] = attention.cudnn_block_diagonal_attention(q, k, v, segments, scale=d**-0.5)
+        for name, out in outs.items():
+            err = rel_err(out, ref)
+            assert err < TOL[jnp.bfloat16], f"{name} {d=} ids {np.asarray(ids).tolist()}: rel err {err:.2e}, seed {seed}"
+            assert not np.asarray(out[np.asarray(ids) < 0], np.float32).any(), "padding rows must be zero"

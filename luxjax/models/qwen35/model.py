@@ -11,6 +11,7 @@ from flax import nnx
 from luxjax.models.qwen35.config import ModelConfig
 from luxjax.models.qwen35.decoder import TextDecoder
 from luxjax.models.qwen35.vision_tower import VisionTower
+from luxjax.ops import backend
 
 
 class Qwen35Model(nnx.Module):
@@ -28,13 +29,14 @@ def _put_slot_rows(tree, rows, slot):
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=1), tree, rows)
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
+@partial(jax.jit, static_argnames=("graphdef",), compiler_options=backend.LAYER_SCAN_GEMM_OPTIONS)
 def encode_images(graphdef, state, pixels, pos_taps, pos_weights, rope_ids, segments):
     model = nnx.merge(graphdef, state)
     return model.vision(pixels, pos_taps, pos_weights, rope_ids, segments)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "all_logits", "dtype"), donate_argnames=("caches",))
+@partial(jax.jit, static_argnames=("graphdef", "all_logits", "dtype"), donate_argnames=("caches",),
+         compiler_options=backend.LAYER_SCAN_GEMM_OPTIONS)
 def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positions, start, valid_len, *,
             dtype, all_logits: bool = False):
     """One prompt chunk of one sequence into cache slot `slot`.
@@ -52,7 +54,8 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
     fresh = start == 0
     rows = jax.tree.map(lambda c: jnp.where(fresh, jnp.zeros_like(c), c), rows)
     valid = (jnp.arange(T) < valid_len)[None]
-    h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True, weights_in_place=True)
+    h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True,
+                         weights_in_place=not backend.cublas_reads_scanned_slices())
     caches = _put_slot_rows(caches, rows, slot)
     if all_logits:
         return model.text.logits(h[0]), caches

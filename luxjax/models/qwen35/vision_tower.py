@@ -13,7 +13,7 @@ from flax import nnx
 from luxjax.layers.basic import LayerNorm, Linear
 from luxjax.layers.rope import apply_rotary, inverse_frequencies
 from luxjax.models.qwen35.config import VisionConfig
-from luxjax.ops.attention import block_diagonal_attention
+from luxjax.ops.attention import block_diagonal_attention, image_segments
 
 PREFIX = "model.visual."
 
@@ -70,6 +70,7 @@ class VisionTower(nnx.Module):
         emb = jnp.concatenate([emb, emb], axis=-1)
         cos, sin = jnp.cos(emb), jnp.sin(emb)
         graphdef, stacked = nnx.split(self.blocks)
+        segments = image_segments(segments)  # once, not per layer
 
         def body(h, state):
             return nnx.merge(graphdef, state)(h, cos, sin, segments), None

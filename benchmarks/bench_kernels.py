@@ -100,7 +100,8 @@ def vision_cases(rng):
         t_xla = time_op(lambda q, k, v, s: xla_block_diagonal_attention(q, k, v, s, scale=Dv**-0.5), q, k, v, seg,
                         n=10)
         shape = f"images {'+'.join(map(str, sizes))} x {H}h x {Dv}d"
-        for name, t in (("vision attention", t_pl), ("vision attention, cuDNN packed", cudnn_vision_time(q, k, v, seg))):
+        t_cudnn = cudnn_vision_time(q, k, v, seg)
+        for name, t in (("vision attention", t_pl), ("vision attention, cuDNN packed", t_cudnn)):
             if t is None:
                 continue
             tflops = 4 * sum(n * n for n in sizes) * H * Dv / t / 1e12

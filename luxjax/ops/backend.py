@@ -58,9 +58,9 @@ def interpret() -> bool:
 # Compiler options for the jitted functions whose large GEMMs take one layer of weights stacked over a layer scan
 # (prefill, the vision tower). XLA otherwise copies each layer's slice into a buffer of its own before cuBLAS, or
 # hands the product to a Triton GEMM fusion, which reads no slice in place either. With cuBLAS GEMMs and XLA's
-# dynamic-slice fusion, cuBLAS reads the scan's slice where it lies: on an H200, eight scanned 17408 x 5120 MLP layers at
-# 1,012 rows ran at 735 TFLOP/s against 560 for both the copying path and the Pallas in-place GEMM. Options of the
-# GPU compiler only: other backends ignore them.
+# dynamic-slice fusion, cuBLAS reads the scan's slice where it lies: on an H200, eight scanned 17408 x 5120 MLP
+# layers at 1,012 rows ran at 735 TFLOP/s against 560 for both the copying path and the Pallas in-place GEMM.
+# Options of the GPU compiler only: other backends ignore them.
 LAYER_SCAN_GEMM_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 
 

@@ -193,5 +193,5 @@ def test_cudnn_block_diagonal_attention(seed, d):
             outs["cudnn"] = attention.cudnn_block_diagonal_attention(q, k, v, segments, scale=d**-0.5)
         for name, out in outs.items():
             err = rel_err(out, ref)
-            assert err < TOL[jnp.bfloat16], f"{name} {d=} ids {np.asarray(ids).tolist()}: rel err {err:.2e}, seed {seed}"
+            assert err < TOL[jnp.bfloat16], f"{name} {d=} ids {np.asarray(ids).tolist()}: rel err {err:.2e}, {seed=}"
             assert not np.asarray(out[np.asarray(ids) < 0], np.float32).any(), "padding rows must be zero"

@@ -60,7 +60,7 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
     if all_logits:
         return model.text.logits(h[0]), caches
     last = jax.lax.dynamic_index_in_dim(h[0], valid_len - 1, axis=0, keepdims=False)
-    return model.text.logits(last), caches
+    return model.text.logits(last, as_layer_slice=True), caches
 
 
 @partial(jax.jit, static_argnames=("graphdef", "dtype"), donate_argnames=("caches",))

@@ -91,6 +91,7 @@ def cudnn_packed_attention() -> bool:
 
 
 def _check_cudnn_packed_attention() -> tuple[bool, str]:
+    """(whether cuDNN's packed attention runs and agrees with the XLA path, why not)."""
     try:
         import jax.numpy as jnp
         import numpy as np
@@ -102,7 +103,8 @@ def _check_cudnn_packed_attention() -> tuple[bool, str]:
         ids = jnp.asarray(np.repeat([0, 1, -1], [48, 24, 8]), jnp.int32)
         got = jax.jit(cudnn_block_diagonal_attention, static_argnames="scale")(q, k, v, image_segments(ids), scale=0.1)
         want = xla_block_diagonal_attention(q, k, v, ids, scale=0.1)
-        return bool(np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)), \
-            "its output differs from the XLA path's"
+        if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2):
+            return False, "its output differs from the XLA path's"
+        return True, ""
     except Exception as e:  # an older cuDNN or JAX without sequence packing: the Pallas kernel serves
         return False, f"{type(e).__name__}: {str(e)[:200]}"

@@ -72,7 +72,7 @@ class ImageSegments:
     ids: jax.Array
     lengths: jax.Array
     offsets: jax.Array
-    fits: jax.Array  # bool scalar
+    fits: jax.Array | bool  # bool scalar; a Python bool where known when tracing (grid_segments)
 
 
 MAX_PACKED_SEGMENTS = 32  # images per tower call on cuDNN's packed path; a call with more takes the kernel
@@ -94,6 +94,18 @@ def image_segments(ids: jax.Array, max_segments: int = MAX_PACKED_SEGMENTS) -> I
     return ImageSegments(ids, lengths, offsets, count <= max_segments)
 
 
+def grid_segments(ids: jax.Array, sizes: jax.Array) -> ImageSegments:
+    """ImageSegments of images laid back to back with patch counts sizes [M] (zeros only after the last image, as
+    a bucketed image count pads it); ids [N] their patches' image ids. The image count is known when tracing, so
+    `fits` is a Python bool: the attention path is then chosen without a runtime branch."""
+    M = sizes.shape[0]
+    present = sizes > 0
+    count = jnp.sum(present)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
+    return ImageSegments(ids, jnp.where(present, sizes, -1).astype(jnp.int32),
+                         jnp.where(jnp.arange(M + 1) <= count, offsets, -1), M <= MAX_PACKED_SEGMENTS)
+
+
 def block_diagonal_attention(q, k, v, segments, *, scale: float):
     """Bidirectional attention confined to each image: q, k, v [N, H, D] -> [N, H, D]; segments: ImageSegments,
     or the patch image ids [N] themselves (contiguous runs; -1 = padding, whose rows come out zero).
@@ -103,6 +115,10 @@ def block_diagonal_attention(q, k, v, segments, *, scale: float):
     ids = segments.ids if isinstance(segments, ImageSegments) else segments
     if _cudnn_applies(q) and backend.cudnn_packed_attention():
         packed = segments if isinstance(segments, ImageSegments) else image_segments(ids)
+        if isinstance(packed.fits, bool):
+            if packed.fits:
+                return cudnn_block_diagonal_attention(q, k, v, packed, scale=scale)
+            return _kernel_block_diagonal_attention(q, k, v, ids, scale=scale)
         return jax.lax.cond(packed.fits, lambda: cudnn_block_diagonal_attention(q, k, v, packed, scale=scale),
                             lambda: _kernel_block_diagonal_attention(q, k, v, ids, scale=scale))
     return _kernel_block_diagonal_attention(q, k, v, ids, scale=scale)

@@ -12,10 +12,10 @@ from luxjax.models.qwen35 import model as qwen
 from luxjax.models.qwen35.config import ModelConfig
 from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
 from luxjax.models.qwen35.prompt import IMAGE_MARKERS, build_prompt, prompt_from_ids
-from luxjax.models.qwen35.vision_tower import vision_layout
+from luxjax.models.qwen35.vision_tower import frame_grid
 from luxjax.vision.limits import ImageLimits
 from luxjax.vision.messages import parse_messages
-from luxjax.vision.patch_codes import PatchCodes, expand_on_device
+from luxjax.vision.patch_codes import PatchCodes
 from luxjax.vision.types import ImageInputs
 
 
@@ -84,22 +84,25 @@ class Qwen35Backend:
     # --- device work -----------------------------------------------------------------------------------------
     def encode_images(self, image_inputs: ImageInputs) -> jax.Array:
         """Merger output for all images [sum(num_tokens), hidden], images padded to a bucketed patch count."""
-        rows = qwen.encode_images(self.graphdef, self.state, *self.vision_arrays(image_inputs))
+        rows = qwen.encode_images(self.graphdef, self.state, **self.vision_arrays(image_inputs))
         return rows[: len(image_inputs.pixel_values) // self.merge**2]
 
-    def vision_arrays(self, image_inputs: ImageInputs) -> tuple[jax.Array, ...]:
-        """The tower's inputs on the device: patches padded to a bucketed count, and their layout (vision_layout),
-        sent in one transfer. PatchCodes travel as their uint8 codes and table and are expanded there."""
+    def vision_arrays(self, image_inputs: ImageInputs) -> dict:
+        """qwen.encode_images' inputs beside graphdef and state, on the device: the patches padded to a bucketed
+        count (PatchCodes travel as their uint8 codes and table and are expanded there) and the grid, a row per frame
+        padded to a bucketed count, sent in one transfer; the tower lays the patches out from the grid itself."""
         pixels = image_inputs.pixel_values
         padded = bucket(len(pixels), 64)
-        layout = vision_layout(image_inputs.grid_thw, self.cfg.vision, padded)
+        frames = int(np.asarray(image_inputs.grid_thw)[:, 0].sum())
+        grid = frame_grid(image_inputs.grid_thw, bucket(frames, 1))
         if isinstance(pixels, PatchCodes):
-            codes, table, *layout = jax.device_put((pixels.padded_codes(padded), pixels.table, *layout),
-                                                   self._weights_sharding())
-            return (expand_on_device(codes, table, pixels.repeat), *layout)
+            codes, table, grid = jax.device_put((pixels.padded_codes(padded), pixels.table, grid),
+                                                self._weights_sharding())
+            return {"patches": codes, "grid": grid, "table": table, "repeat": pixels.repeat}
         rows = np.zeros((padded, pixels.shape[1]), np.float32)
         rows[: len(pixels)] = pixels
-        return tuple(jax.device_put((rows, *layout), self._weights_sharding()))
+        rows, grid = jax.device_put((rows, grid), self._weights_sharding())
+        return {"patches": rows, "grid": grid}
 
     def init_cache(self, slots: int, max_len: int):
         """Zeroed caches, committed to the weights' device: uncommitted inputs would make the first jitted call

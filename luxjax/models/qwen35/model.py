@@ -12,6 +12,7 @@ from luxjax.models.qwen35.config import ModelConfig
 from luxjax.models.qwen35.decoder import TextDecoder
 from luxjax.models.qwen35.vision_tower import VisionTower
 from luxjax.ops import backend
+from luxjax.vision.patch_codes import expand_on_device
 
 
 class Qwen35Model(nnx.Module):
@@ -29,10 +30,14 @@ def _put_slot_rows(tree, rows, slot):
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=1), tree, rows)
 
 
-@partial(jax.jit, static_argnames=("graphdef",), compiler_options=backend.LAYER_SCAN_GEMM_OPTIONS)
-def encode_images(graphdef, state, pixels, pos_taps, pos_weights, rope_ids, segments):
-    model = nnx.merge(graphdef, state)
-    return model.vision(pixels, pos_taps, pos_weights, rope_ids, segments)
+@partial(jax.jit, static_argnames=("graphdef", "repeat"), compiler_options=backend.LAYER_SCAN_GEMM_OPTIONS)
+def encode_images(graphdef, state, patches, grid, table=None, *, repeat: int = 1):
+    """The vision tower on the patches of a batch of images: float32 rows [N, patch_dim], or (given their table)
+    the uint8 codes of PatchCodes [N, C, n], expanded here; grid int32 [M, 3], each image's (t, h, w) in patches
+    (zero rows pad M). N and M are bucketed by the caller."""
+    if table is not None:
+        patches = expand_on_device(patches, table, repeat)
+    return nnx.merge(graphdef, state).vision.encode(patches, grid)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "all_logits", "dtype"), donate_argnames=("caches",),

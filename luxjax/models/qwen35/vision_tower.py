@@ -1,6 +1,8 @@
 """Qwen3.5 vision tower: patch embedding, bilinearly resampled learned positions, 2D RoPE, ViT blocks with
-attention confined to each image, and the 2x2 patch merger. Host-side index math (position taps, rotary ids,
-segments) lives in `vision_layout`; the tower itself is a pure function of padded arrays."""
+attention confined to each image, and the 2x2 patch merger. The per-patch index math (position taps, rotary ids,
+image runs) comes from the images' grid: `grid_layout` computes it inside the tower's jit (`VisionTower.encode`),
+and `vision_layout` gives it as host arrays to callers that build batches there; the tower itself is a pure
+function of padded arrays."""
 from __future__ import annotations
 
 from typing import Callable
@@ -13,7 +15,7 @@ from flax import nnx
 from luxjax.layers.basic import LayerNorm, Linear
 from luxjax.layers.rope import apply_rotary, inverse_frequencies
 from luxjax.models.qwen35.config import VisionConfig
-from luxjax.ops.attention import block_diagonal_attention, image_segments
+from luxjax.ops.attention import ImageSegments, block_diagonal_attention, grid_segments, image_segments
 
 PREFIX = "model.visual."
 
@@ -56,9 +58,16 @@ class VisionTower(nnx.Module):
         self.merger_fc1 = Linear(weights(PREFIX + "merger.linear_fc1.weight"), weights(PREFIX + "merger.linear_fc1.bias"))
         self.merger_fc2 = Linear(weights(PREFIX + "merger.linear_fc2.weight"), weights(PREFIX + "merger.linear_fc2.bias"))
 
+    def encode(self, pixels, grid):
+        """The tower on patches [N, patch_dim] of the images whose grid_thw is `grid` int32 [M, 3] (zero rows pad M
+        to a bucket), laid out here: the host sends the grid, not four per-patch arrays."""
+        taps, weights, rope_ids, ids, sizes = grid_layout(grid, self.cfg, pixels.shape[0])
+        return self(pixels, taps, weights, rope_ids, grid_segments(ids, sizes))
+
     def __call__(self, pixels, pos_taps, pos_weights, rope_ids, segments):
-        """pixels [N, patch_dim]; pos_taps/pos_weights [N, 4]; rope_ids int32 [N, 2]; segments [N] (-1 = pad).
-        Returns merged features [N / merge^2, out_hidden] (rows of padding patches are garbage)."""
+        """pixels [N, patch_dim]; pos_taps/pos_weights [N, 4]; rope_ids int32 [N, 2]; segments: ImageSegments, or
+        the image id of each patch [N] (-1 = pad). Returns merged features [N / merge^2, out_hidden] (rows of
+        padding patches are garbage)."""
         dtype = self.pos_embed.get_value().dtype
         x = self.patch_embed(pixels.astype(dtype))
         table = self.pos_embed.get_value()
@@ -70,7 +79,8 @@ class VisionTower(nnx.Module):
         emb = jnp.concatenate([emb, emb], axis=-1)
         cos, sin = jnp.cos(emb), jnp.sin(emb)
         graphdef, stacked = nnx.split(self.blocks)
-        segments = image_segments(segments)  # once, not per layer
+        if not isinstance(segments, ImageSegments):
+            segments = image_segments(segments)  # once, not per layer
 
         def body(h, state):
             return nnx.merge(graphdef, state)(h, cos, sin, segments), None
@@ -81,43 +91,66 @@ class VisionTower(nnx.Module):
         return self.merger_fc2(jax.nn.gelu(self.merger_fc1(x), approximate=False))
 
 
-def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bilinear taps with align_corners=True on one axis, float32 as the reference computes them."""
-    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
-    floor = np.floor(src)
-    taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
-    weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)), 0, None)
-    return taps, weights.astype(np.float32)
+def frame_grid(grid_thw: np.ndarray, rows: int | None = None) -> np.ndarray:
+    """grid_thw [M, 3] as one (1, h, w) row per frame, int32, zero rows appended up to `rows`: the reference
+    attends within each frame of a clip, and grid_layout gives each grid row its own attention segment."""
+    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    frames = np.repeat(np.concatenate([np.ones_like(grid[:, :1]), grid[:, 1:]], 1), grid[:, 0], axis=0)
+    out = np.zeros((max(rows or 0, len(frames)), 3), np.int32)
+    out[: len(frames)] = frames
+    return out
+
+
+def grid_layout(grid: jax.Array, cfg: VisionConfig, padded_patches: int):
+    """vision_layout's arrays computed on the device from the grid [M, 3] (t, h, w per image; zero rows pad M),
+    the patches of the images back to back in merge-block order, then padding up to `padded_patches`: position
+    taps [N, 4] and weights, rotary (row, col) ids [N, 2], the grid row of each patch [N] (-1 = pad: its attention
+    segment, so a clip sent as one row attends across its frames; see frame_grid), and the patch count of each row
+    [M]. Integer index arithmetic, and the float32 taps computed as the host does."""
+    m, side = cfg.spatial_merge_size, cfg.grid_side
+    grid = grid.astype(jnp.int32)
+    sizes = grid[:, 0] * grid[:, 1] * grid[:, 2]
+    ends = jnp.cumsum(sizes)
+    patch = jnp.arange(padded_patches, dtype=jnp.int32)
+    # images ending at or before the patch: its image (zero-size images are skipped; past the last, pad)
+    image = jnp.searchsorted(ends, patch, side="right", method="compare_all").astype(jnp.int32)
+    real = image < grid.shape[0]
+    image = jnp.minimum(image, grid.shape[0] - 1)
+    h, w = grid[image, 1], grid[image, 2]
+    frame = (patch - (ends - sizes)[image]) % jnp.maximum(h * w, 1)  # index within the image's frame
+    block, inner = frame // (m * m), frame % (m * m)
+    blocks_per_row = jnp.maximum(w // m, 1)
+    row = (block // blocks_per_row) * m + inner // m
+    col = (block % blocks_per_row) * m + inner % m
+    taps, weights = _position_taps(row, col, h, w, side)
+    keep = real[:, None]
+    return (jnp.where(keep, taps, 0).astype(jnp.int32), jnp.where(keep, weights, 0).astype(jnp.float32),
+            jnp.where(keep, jnp.stack([row, col], -1), 0).astype(jnp.int32), jnp.where(real, image, -1), sizes)
 
 
 def vision_layout(grid_thw: np.ndarray, cfg: VisionConfig, padded_patches: int):
-    """Per-patch host arrays for a batch of images in merge-block order, padded to `padded_patches`:
-    position-table taps and weights, rotary (row, col) ids, and the image index of each patch (-1 = pad)."""
-    m, side = cfg.spatial_merge_size, cfg.grid_side
-    rows, cols, heights, widths, segments = [], [], [], [], []
-    for i, (t, h, w) in enumerate(np.asarray(grid_thw, dtype=np.int64)):
-        r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        r = r.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).ravel()
-        c = c.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).ravel()
-        rows.append(np.tile(r, t))
-        cols.append(np.tile(c, t))
-        heights.append(np.full(t * h * w, h))
-        widths.append(np.full(t * h * w, w))
-        segments.append(np.full(t * h * w, i))
-    row, col = np.concatenate(rows), np.concatenate(cols)
-    h_taps, h_w = _axis_taps(row, np.concatenate(heights), side)
-    w_taps, w_w = _axis_taps(col, np.concatenate(widths), side)
+    """grid_layout's taps, weights, rotary ids and segment ids as numpy arrays, computed on the CPU, for callers
+    that build batches on the host (a segment per frame, as frame_grid splits clips)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        arrays = _layout_on_host(frame_grid(grid_thw), cfg, padded_patches)
+    return tuple(np.asarray(a) for a in arrays[:4])
+
+
+_layout_on_host = jax.jit(grid_layout, static_argnames=("cfg", "padded_patches"))
+
+
+def _position_taps(row, col, height, width, side: int):
+    """The four bilinear taps into the side x side position table [N, 4] and their weights."""
+    h_taps, h_w = _axis_taps(row, height, side)
+    w_taps, w_w = _axis_taps(col, width, side)
     taps = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
-    weights = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
-    n = len(row)
-    pad = padded_patches - n
+    return taps, (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
 
-    def padded(a, value=0):
-        return np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
 
-    return (
-        padded(taps).astype(np.int32),
-        padded(weights).astype(np.float32),
-        padded(np.stack([row, col], -1)).astype(np.int32),
-        padded(np.concatenate(segments), -1).astype(np.int32),
-    )
+def _axis_taps(index, size, side: int):
+    """Bilinear taps with align_corners=True on one axis, float32 as the reference computes them."""
+    src = index.astype(jnp.float32) * jnp.float32(side - 1) / jnp.maximum(size - 1, 1).astype(jnp.float32)
+    floor = jnp.floor(src)
+    taps = jnp.clip(floor.astype(jnp.int32)[:, None] + jnp.arange(2), 0, side - 1)
+    weights = jnp.clip(1 - jnp.abs(src[:, None] - floor[:, None] - jnp.arange(2, dtype=jnp.float32)), 0, None)
+    return taps, weights

@@ -93,7 +93,7 @@ def main():
         report["vision_inputs_ms"] = 1e3 * (time.perf_counter() - t)
         print(f"\nvision inputs laid out and sent to the device: {report['vision_inputs_ms']:.2f} ms")
         report["vision_tower"] = profile_phase("vision tower (inputs on the device)", lambda: qwen.encode_images(
-            backend.graphdef, backend.state, **on_device).block_until_ready(), 3)
+            backend.jit_graphdef, backend.state, **on_device).block_until_ready(), 3)
         report["encode_images"] = profile_phase("encode_images (host inputs)", lambda: backend.encode_images(
             inputs).block_until_ready(), 3)
     ids = np.random.default_rng(0).integers(0, cfg_dict["text_config"]["vocab_size"] - 1000,

@@ -36,6 +36,7 @@ class Qwen35Backend:
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.graphdef, self.state = nnx.split(model)
+        self.jit_graphdef = qwen.HashedGraphDef(self.graphdef)  # what the jitted functions take (hashed once)
         self.tokenizer = tokenizer
         self.processor = processor
         self.limits = limits
@@ -84,7 +85,7 @@ class Qwen35Backend:
     # --- device work -----------------------------------------------------------------------------------------
     def encode_images(self, image_inputs: ImageInputs) -> jax.Array:
         """Merger output for all images [sum(num_tokens), hidden], images padded to a bucketed patch count."""
-        rows = qwen.encode_images(self.graphdef, self.state, **self.vision_arrays(image_inputs))
+        rows = qwen.encode_images(self.jit_graphdef, self.state, **self.vision_arrays(image_inputs))
         return rows[: len(image_inputs.pixel_values) // self.merge**2]
 
     def vision_arrays(self, image_inputs: ImageInputs) -> dict:
@@ -131,7 +132,7 @@ class Qwen35Backend:
             if lo < hi:
                 image_index[lo - begin : hi - begin] = row + (lo - s) + np.arange(hi - lo)
             row += e - s
-        return qwen.prefill(self.graphdef, self.state, caches, jnp.int32(slot), jnp.asarray(ids),
+        return qwen.prefill(self.jit_graphdef, self.state, caches, jnp.int32(slot), jnp.asarray(ids),
                             image_rows if prompt.image_spans else None, jnp.asarray(image_index),
                             jnp.asarray(positions), jnp.int32(begin), jnp.int32(n), dtype=self.dtype,
                             all_logits=all_logits)
@@ -140,6 +141,6 @@ class Qwen35Backend:
         pos = np.asarray(cached, np.int32) + np.asarray(rope_deltas, np.int32)
         positions = np.broadcast_to(pos, (3, len(pos))).astype(np.int32)
         active = np.ones(len(pos), bool) if active is None else np.asarray(active, bool)
-        return qwen.decode(self.graphdef, self.state, caches, jnp.asarray(token_ids, jnp.int32),
+        return qwen.decode(self.jit_graphdef, self.state, caches, jnp.asarray(token_ids, jnp.int32),
                            jnp.asarray(positions), jnp.asarray(cached, jnp.int32), jnp.asarray(active),
                            dtype=self.dtype)

@@ -60,8 +60,11 @@ def interpret() -> bool:
 # hands the product to a Triton GEMM fusion, which reads no slice in place either. With cuBLAS GEMMs and XLA's
 # dynamic-slice fusion, cuBLAS reads the scan's slice where it lies: on an H200, eight scanned 17408 x 5120 MLP
 # layers at 1,012 rows ran at 735 TFLOP/s against 560 for both the copying path and the Pallas in-place GEMM.
-# Options of the GPU compiler only: other backends ignore them.
-LAYER_SCAN_GEMM_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+# XLA's DotMerger is off too: it joins the products of one input into one GEMM by concatenating their weights,
+# which copied each attention layer's q, k and v weights (147 MB at the 27B shapes; 1.3 ms per 1,012-token
+# prefill) on every call. Options of the GPU compiler only: other backends ignore them.
+LAYER_SCAN_GEMM_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False,
+                           "xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def cublas_reads_scanned_slices() -> bool:

@@ -109,9 +109,8 @@ def _chunk_scan_kernel(
     keep_boundary(n, final)
 
 
-def _check(q, v, state, block_v):
-    B, H, T, dk = q.shape
-    dv = v.shape[-1]
+def _check(v, state, dk: int, block_v: int):
+    B, H, T, dv = v.shape
     if state.shape != (B, H, dk, dv):
         raise ValueError(f"state shape {state.shape} must be {(B, H, dk, dv)}")
     if dv % block_v or block_v < 16 or dk < 16 or dk & (dk - 1) or block_v & (block_v - 1):
@@ -126,7 +125,7 @@ def gated_delta_recurrent(q, k, v, g, beta, state, *, block_sizes: BlockSizes | 
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     bs = block_sizes or BlockSizes.get_default(dv, recurrent=True)
-    _check(q, v, state, bs.block_v)
+    _check(v, state, dk, bs.block_v)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_recurrent_kernel, block_v=bs.block_v),
@@ -140,19 +139,20 @@ def gated_delta_recurrent(q, k, v, g, beta, state, *, block_sizes: BlockSizes | 
     )(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_sizes", "interpret", "debug"))
-def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, boundary_block=None,
+@functools.partial(jax.jit, static_argnames=("chunk", "head_order", "block_sizes", "interpret", "debug"))
+def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, boundary_block=None, head_order: str = "grouped",
                         block_sizes: BlockSizes | None = None, interpret: bool = False, debug: bool = False):
     """Chunked form (prefill), same arguments and result as gated_delta_recurrent; T padded to a multiple of
     `chunk` internally (padding carries beta = g = 0). Given boundary_block ([B] int32, 0..number of chunks), also
-    returns the state entering that chunk, like luxjax.ops.delta_rule.chunk_gated_delta_rule."""
+    returns the state entering that chunk, like luxjax.ops.delta_rule.chunk_gated_delta_rule. q and k may have
+    fewer heads than v (key heads shared in `head_order`, see luxjax.ops.delta_rule)."""
     from luxjax.ops.delta_rule import chunk_inputs
 
-    B, H, T, dk = q.shape
-    dv = v.shape[-1]
+    B, _, T, dk = q.shape
+    H, dv = v.shape[1], v.shape[-1]
     bs = block_sizes or BlockSizes.get_default(dv)
-    _check(q, v, state, bs.block_v)
-    xs = chunk_inputs(q, k, v, g, beta, chunk)
+    _check(v, state, dk, bs.block_v)
+    xs = chunk_inputs(q, k, v, g, beta, chunk, head_order)
     n = xs[0].shape[2]
     block = jnp.full((B,), n, jnp.int32) if boundary_block is None else boundary_block.astype(jnp.int32)
     state_shape = jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32)

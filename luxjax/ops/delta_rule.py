@@ -1,7 +1,9 @@
 """Gated delta rule (Gated DeltaNet's recurrence), XLA path.
 
 Shapes: q, k [B, H, T, dk]; v [B, H, T, dv]; g (log decay), beta [B, H, T]; state [B, H, dk, dv]. All float32:
-q and k arrive L2-normalised, q already scaled by dk^-0.5. Per token t:
+q and k arrive L2-normalised, q already scaled by dk^-0.5. gated_delta_rule and the chunked form also take q and k
+with fewer heads than v (Qwen3.5's key heads, each shared by H / Hk value heads): head_order says which key head a
+value head h reads, h // (H / Hk) ("grouped", transformers' order) or h % Hk ("tiled", llama.cpp's GGUF order). Per token t:
     S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 The chunked form computes the same function with matmuls over chunks of `chunk` tokens (prefill); the recurrent
 form steps token by token (decode). Padded tokens must carry beta = 0 and g = 0 so they leave the state alone.
@@ -95,50 +97,86 @@ def compensated_cumsum(x: jax.Array) -> jax.Array:
     return lax.associative_scan(_double_float_add, (x, jnp.zeros_like(x)), axis=-1)[0]
 
 
-def chunk_inputs(q, k, v, g, beta, chunk: int = 64):
+HEAD_ORDERS = ("grouped", "tiled")
+
+
+def expand_key_heads(x, v_heads: int, head_order: str = "grouped"):
+    """q or k [B, Hk, ...] -> [B, v_heads, ...] in `head_order` (see the module doc)."""
+    r = v_heads // x.shape[1]
+    if r == 1:
+        return x
+    if head_order == "tiled":
+        return jnp.tile(x, (1, r) + (1,) * (x.ndim - 2))
+    return jnp.repeat(x, r, axis=1)
+
+
+def _value_groups(x, k_heads: int, head_order: str):
+    """[B, H, ...] per value head -> [B, G1, G2, ...], the heads split so that a key-side array from _key_side
+    broadcasts against it: (H / Hk, Hk) for "tiled", (Hk, H / Hk) for "grouped"."""
+    r = x.shape[1] // k_heads
+    groups = (r, k_heads) if head_order == "tiled" else (k_heads, r)
+    return x.reshape(x.shape[0], *groups, *x.shape[2:])
+
+
+def _key_side(x, head_order: str):
+    """[B, Hk, ...] per key head -> [B, 1, Hk, ...] ("tiled") or [B, Hk, 1, ...] ("grouped")."""
+    return x[:, None] if head_order == "tiled" else x[:, :, None]
+
+
+def chunk_inputs(q, k, v, g, beta, chunk: int = 64, head_order: str = "grouped"):
     """The parallel part of the chunked (UT-transform) form: everything except the scan over chunks.
-    Returns (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay), each [B, H, n, ...]."""
+    Returns (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay), each [B, H, n, ...] per value head.
+    q and k may have fewer heads (key heads, see the module doc): their chunk products k k^T and q k^T are then
+    taken once per key head, and the value heads' factors (beta, decays) applied after."""
+    if head_order not in HEAD_ORDERS:
+        raise ValueError(f"head_order {head_order!r}; expected one of {HEAD_ORDERS}")
     T = q.shape[2]
     pad = (-T) % chunk
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
         g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
-    B, H, Tp, dk = q.shape
-    dv = v.shape[-1]
+    B, k_heads, Tp, dk = q.shape
+    H, dv = v.shape[1], v.shape[-1]
+    if H % k_heads:
+        raise ValueError(f"{H} value heads do not share {k_heads} key heads evenly")
     n = Tp // chunk
 
     def chunked(x):
-        return x.reshape(B, H, n, chunk, *x.shape[3:])
+        return x.reshape(x.shape[0], x.shape[1], n, chunk, *x.shape[3:])
 
-    v_beta = chunked(v * beta[..., None])
-    k_beta = chunked(k * beta[..., None])
-    q, k = chunked(q), chunked(k)
-    cum = compensated_cumsum(chunked(g))  # [B,H,n,C]
+    def per_value_head(x):  # [B, G1, G2, ...] -> [B, H, ...]
+        return x.reshape(B, H, *x.shape[3:])
+
+    q, k = (_key_side(chunked(x), head_order) for x in (q, k))  # [B, (1, Hk | Hk, 1), n, C, dk]
+    v, g, beta = (_value_groups(chunked(x), k_heads, head_order) for x in (v, g, beta))
+    cum = compensated_cumsum(g)  # [B, G1, G2, n, C]
 
     upper = jnp.triu(jnp.ones((chunk, chunk), dtype=bool), 1)
     pair_decay = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
-    ut_system = _mm(k_beta, jnp.swapaxes(k, -1, -2)) * pair_decay
-    intra = _mm(q, jnp.swapaxes(k, -1, -2)) * pair_decay
+    k_t = jnp.swapaxes(k, -1, -2)
+    ut_system = beta[..., :, None] * _mm(k, k_t) * pair_decay  # (beta k) k^T, the product per key head
+    intra = _mm(q, k_t) * pair_decay
+    k_beta = k * beta[..., None]
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
 
     # X = inv(I + strictly_lower(ut)) rhs; the reference ignores the diagonal and multiplies by the inverse too.
-    rhs = jnp.concatenate([v_beta, decayed_k_beta], axis=-1)
+    rhs = jnp.concatenate([v * beta[..., None], decayed_k_beta], axis=-1)
     solved = _mm(unit_lower_inverse(ut_system), rhs)
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
 
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])  # [B,H,n]
-    return new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, G1, G2, n]
+    return tuple(per_value_head(x) for x in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, *, boundary_block=None):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, *, boundary_block=None,
+                           head_order: str = "grouped"):
     """Chunked (UT-transform) form. Returns (out [B, H, T, dv], final state); given boundary_block ([B] int32, a
     chunk index from 0 to the number of chunks), also the state entering that chunk of each sequence (the final
     state at the number of chunks): the DeltaNet layer keeps it to resume prefill on an unchanged chunk grid."""
-    B, H, T, _ = q.shape
-    dv = v.shape[-1]
-    xs = chunk_inputs(q, k, v, g, beta, chunk)
+    B, H, T, dv = v.shape
+    xs = chunk_inputs(q, k, v, g, beta, chunk, head_order)
     n = xs[0].shape[2]
     block = jnp.full((B,), n, jnp.int32) if boundary_block is None else boundary_block
     per_sequence = lambda x: x[:, None, None, None]  # noqa: E731
@@ -160,20 +198,22 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, *, boundary
     return out, state, jnp.where(per_sequence(block == n), state, entering)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool, boundary_block=None):
+def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool, boundary_block=None, head_order: str = "grouped"):
     """The one entry point models call: chunked (prefill) or recurrent (decode) form; `boundary_block` (chunked
-    form only): see chunk_gated_delta_rule. The chunked form takes the Pallas scan kernel when luxjax.ops.backend
-    says so (2x XLA on an H200 at T=1012). The recurrent form stays on XLA: its fused elementwise update ran near
-    HBM peak, faster than the Pallas recurrent kernel (29 vs 47 us at B=16, 48 heads)."""
+    form only): see chunk_gated_delta_rule; q and k may have fewer heads than v (see the module doc). The chunked
+    form takes the Pallas scan kernel when luxjax.ops.backend says so (2x XLA on an H200 at T=1012). The recurrent
+    form stays on XLA: its fused elementwise update ran near HBM peak, faster than the Pallas recurrent kernel (29
+    vs 47 us at B=16, 48 heads)."""
     if chunked:
         if backend.use_pallas() and _kernel_supported(q, v):
             from pallas_kernels.gated_delta import gated_delta_chunked
 
-            return gated_delta_chunked(q, k, v, g, beta, state, boundary_block=boundary_block,
+            return gated_delta_chunked(q, k, v, g, beta, state, boundary_block=boundary_block, head_order=head_order,
                                        interpret=backend.interpret())
-        return chunk_gated_delta_rule(q, k, v, g, beta, state, boundary_block=boundary_block)
+        return chunk_gated_delta_rule(q, k, v, g, beta, state, boundary_block=boundary_block, head_order=head_order)
     if boundary_block is not None:
         raise ValueError("boundary_block is an output of the chunked form only")
+    q, k = (expand_key_heads(x, v.shape[1], head_order) for x in (q, k))
     return recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 

@@ -76,6 +76,36 @@ def test_chunked_boundary(seed, interpret, dk, dv, T, blocks):
             assert err < 5e-5, f"{form} boundary of sequence {b} vs recurrent over {64 * c} tokens, {where}: {err:.2e}"
 
 
+def _value_head_key(order: str, k_heads: int, v_heads: int) -> np.ndarray:
+    """Which key head each value head reads: h // r in transformers' order, h % k_heads in llama.cpp's GGUF order."""
+    h = np.arange(v_heads)
+    return h // (v_heads // k_heads) if order == "grouped" else h % k_heads
+
+
+@pytest.mark.parametrize("order", ["grouped", "tiled"])
+@pytest.mark.parametrize("form", ["recurrent", "chunked XLA", "chunked kernel"])
+def test_shared_key_heads(seed, interpret, monkeypatch, order, form):
+    """q and k with 2 key heads shared by 6 value heads, through the op (and the kernel), against the recurrent
+    form on q and k given to every value head by index (the shared heads taken once per key head in the chunked
+    forms' k k^T and q k^T)."""
+    from luxjax.ops import backend, delta_rule
+
+    rng = np.random.default_rng(seed)
+    T = 1 if form == "recurrent" else 100
+    q, k, v, g, beta, state = _inputs(rng, 2, 6, T, 64, 32, valid=[T, max(T - 9, 1)])
+    key = _value_head_key(order, 2, 6)
+    shared_q, shared_k = (jnp.asarray(np.asarray(x)[:, :2]) for x in (q, k))  # the heads the test keeps
+    q, k = (jnp.asarray(np.asarray(x)[:, key]) for x in (shared_q, shared_k))  # each value head's key head
+    ref_out, ref_state = gd.gated_delta_reference(q, k, v, g, beta, state)
+    monkeypatch.setattr(backend, "use_pallas", lambda: form == "chunked kernel")
+    monkeypatch.setattr(backend, "interpret", lambda: interpret)
+    out, new_state = delta_rule.gated_delta_rule(shared_q, shared_k, v, g, beta, state, chunked=form != "recurrent",
+                                                 head_order=order)
+    for name, x, r in [("out", out, ref_out), ("state", new_state, ref_state)]:
+        err = rel_err(x, r)
+        assert err < 5e-5, f"{form}, {order} key heads, {name}: rel err {err:.2e}, seed {seed}"
+
+
 def test_ops_dispatch_chunked(seed, monkeypatch):
     """gated_delta_rule(chunked=True) with the Pallas branch forced on matches the XLA chunked form."""
     from luxjax.ops import backend, delta_rule

@@ -79,7 +79,7 @@ class GatedDeltaNet(nnx.Module):
         self.v_heads = cfg.linear_num_value_heads
         self.k_dim = cfg.linear_key_head_dim
         self.v_dim = cfg.linear_value_head_dim
-        self.tiled_heads = cfg.linear_value_head_order == "tiled"
+        self.head_order = "tiled" if cfg.linear_value_head_order == "tiled" else "grouped"
         self.in_proj_qkv = Linear(w("in_proj_qkv.weight"))
         self.in_proj_z = Linear(w("in_proj_z.weight"))
         self.in_proj_b = Linear(w("in_proj_b.weight"))
@@ -104,17 +104,10 @@ class GatedDeltaNet(nnx.Module):
         new_conv = take_rows(xs, valid_len, kernel - 1)
         return jax.nn.silu(out.astype(jnp.float32)).astype(qkv.dtype), new_conv
 
-    def _expand_key_heads(self, x):
-        """[B, T, k_heads, d] -> [B, T, v_heads, d] in the order the value heads are stored."""
-        r = self.v_heads // self.k_heads
-        if r == 1:
-            return x
-        return jnp.tile(x, (1, 1, r, 1)) if self.tiled_heads else jnp.repeat(x, r, axis=2)
-
     def _heads_major(self, tokens: DeltaInputs):
-        """The delta rule's arguments [B, v_heads, T, ...] from token-major inputs."""
-        q, k = self._expand_key_heads(tokens.q), self._expand_key_heads(tokens.k)
-        return tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, tokens.v, tokens.g, tokens.beta))
+        """The delta rule's arguments [B, heads, T, ...] from token-major inputs; q and k keep their key heads (the
+        rule shares each among its value heads in self.head_order)."""
+        return tuple(jnp.swapaxes(x, 1, 2) for x in tokens)
 
     def _prefill_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid_len):
         """Chunked form from `boundary` over [pending tokens; this chunk]: its blocks start at multiples of BLOCK
@@ -127,7 +120,8 @@ class GatedDeltaNet(nnx.Module):
         filled = offset + valid_len
         shapes = input_shapes(self.k_heads, self.k_dim, self.v_heads, self.v_dim)
         out, state, boundary = gated_delta_rule(*self._heads_major(unpack(buffer, shapes)), cache.boundary,
-                                                chunked=True, boundary_block=filled // BLOCK)
+                                                chunked=True, boundary_block=filled // BLOCK,
+                                                head_order=self.head_order)
         out = take_rows(jnp.swapaxes(out, 1, 2), offset, T)
         return out, (state, boundary, last_block_rows(buffer, filled))
 
@@ -137,7 +131,8 @@ class GatedDeltaNet(nnx.Module):
         rows < start % BLOCK). Idle rows (valid False) keep every field."""
         if tokens.q.shape[1] != 1:
             raise ValueError(f"the recurrent (decode) form takes one token per sequence, got {tokens.q.shape[1]}")
-        out, state = gated_delta_rule(*self._heads_major(tokens), cache.state, chunked=False)
+        out, state = gated_delta_rule(*self._heads_major(tokens), cache.state, chunked=False,
+                                      head_order=self.head_order)
         active, row = valid[:, 0], start % BLOCK
         pending = write_row(cache.pending, tokens.packed(), row, active)
         boundary = select_rows(active & (row == BLOCK - 1), state, cache.boundary)

@@ -132,15 +132,14 @@ class Qwen35Backend:
             if lo < hi:
                 image_index[lo - begin : hi - begin] = row + (lo - s) + np.arange(hi - lo)
             row += e - s
-        return qwen.prefill(self.jit_graphdef, self.state, caches, jnp.int32(slot), jnp.asarray(ids),
-                            image_rows if prompt.image_spans else None, jnp.asarray(image_index),
-                            jnp.asarray(positions), jnp.int32(begin), jnp.int32(n), dtype=self.dtype,
-                            all_logits=all_logits)
+        # host arrays go to the jitted call as they are: it transfers them together, faster than one by one
+        return qwen.prefill(self.jit_graphdef, self.state, caches, np.int32(slot), ids,
+                            image_rows if prompt.image_spans else None, image_index, positions, np.int32(begin),
+                            np.int32(n), dtype=self.dtype, all_logits=all_logits)
 
     def decode(self, caches, token_ids, cached, rope_deltas, active=None):
         pos = np.asarray(cached, np.int32) + np.asarray(rope_deltas, np.int32)
         positions = np.broadcast_to(pos, (3, len(pos))).astype(np.int32)
         active = np.ones(len(pos), bool) if active is None else np.asarray(active, bool)
-        return qwen.decode(self.jit_graphdef, self.state, caches, jnp.asarray(token_ids, jnp.int32),
-                           jnp.asarray(positions), jnp.asarray(cached, jnp.int32), jnp.asarray(active),
-                           dtype=self.dtype)
+        return qwen.decode(self.jit_graphdef, self.state, caches, np.asarray(token_ids, np.int32), positions,
+                           np.asarray(cached, np.int32), active, dtype=self.dtype)

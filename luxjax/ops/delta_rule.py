@@ -3,7 +3,8 @@
 Shapes: q, k [B, H, T, dk]; v [B, H, T, dv]; g (log decay), beta [B, H, T]; state [B, H, dk, dv]. All float32:
 q and k arrive L2-normalised, q already scaled by dk^-0.5. gated_delta_rule and the chunked form also take q and k
 with fewer heads than v (Qwen3.5's key heads, each shared by H / Hk value heads): head_order says which key head a
-value head h reads, h // (H / Hk) ("grouped", transformers' order) or h % Hk ("tiled", llama.cpp's GGUF order). Per token t:
+value head h reads, h // (H / Hk) ("grouped", transformers' order) or h % Hk ("tiled", llama.cpp's GGUF order).
+Per token t:
     S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 The chunked form computes the same function with matmuls over chunks of `chunk` tokens (prefill); the recurrent
 form steps token by token (decode). Padded tokens must carry beta = 0 and g = 0 so they leave the state alone.

@@ -23,9 +23,9 @@ class Qwen35Model(nnx.Module):
 
 class HashedGraphDef:
     """A GraphDef as the jitted functions' static argument, its hash taken once: jit hashes its static arguments on
-    every call, and a GraphDef's own hash walks the whole module tree (0.9 ms a call measured for the tiny model on
-    a CPU, paid by every decode step). Equal to another wrapper of an equal GraphDef, so the cache still keys on
-    the model's structure."""
+    every call, and a GraphDef's own hash walks the whole module tree, paid by every decode step (tiny model on a
+    2-core CPU: the hash 0.4-0.9 ms, a vision call 6.3 -> 3.4 ms with the wrapper). Equal to another wrapper of an
+    equal GraphDef, so the cache still keys on the model's structure."""
 
     __slots__ = ("graphdef", "_hash")
 

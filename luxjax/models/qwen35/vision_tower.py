@@ -102,11 +102,12 @@ def frame_grid(grid_thw: np.ndarray, rows: int | None = None) -> np.ndarray:
 
 
 def grid_layout(grid: jax.Array, cfg: VisionConfig, padded_patches: int):
-    """vision_layout's arrays computed on the device from the grid [M, 3] (t, h, w per image; zero rows pad M),
-    the patches of the images back to back in merge-block order, then padding up to `padded_patches`: position
-    taps [N, 4] and weights, rotary (row, col) ids [N, 2], the grid row of each patch [N] (-1 = pad: its attention
-    segment, so a clip sent as one row attends across its frames; see frame_grid), and the patch count of each row
-    [M]. Integer index arithmetic, and the float32 taps computed as the host does."""
+    """The tower's per-patch layout from the grid [M, 3] (t, h, w per image; zero rows pad M), traceable (it runs
+    inside the tower's jit), the patches of the images back to back in merge-block order, then padding up to
+    `padded_patches`: position taps [N, 4] and weights, rotary (row, col) ids [N, 2], the grid row of each patch [N]
+    (-1 = pad: its attention segment, so a clip sent as one row attends across its frames; see frame_grid), and the
+    patch count of each row [M]. Integer index arithmetic, and the taps' float32 steps in the reference's order
+    (identical on the CPU; a GPU's division may round the source coordinate a few units in the last place apart)."""
     m, side = cfg.spatial_merge_size, cfg.grid_side
     grid = grid.astype(jnp.int32)
     sizes = grid[:, 0] * grid[:, 1] * grid[:, 2]

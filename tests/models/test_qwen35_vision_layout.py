@@ -1,7 +1,8 @@
 """The vision tower's per-patch layout computed on the device from the images' grid (vision_tower.grid_layout,
 frame_grid, attention.grid_segments) against transformers' own precompute helpers (transformers.vision_utils, the
 functions Qwen3_5VisionModel.forward calls): position-table taps and weights, rotary position ids, and the
-attention segments, on random batches of images and clips of random sizes."""
+attention segments, on random batches of images and clips of random sizes; and the backend's use of it (one
+compile for any image count up to cuDNN's packed-segment limit)."""
 from __future__ import annotations
 
 import jax
@@ -103,3 +104,32 @@ def test_segments_are_the_reference_frames(rng_seed):
     assert fits_when_traced == [len(frames) <= MAX_PACKED_SEGMENTS], msg
     runs = np.asarray(segments.ids)[:total]
     np.testing.assert_array_equal(runs, np.repeat(np.arange(count), np.diff(cu_seqlens)), err_msg=msg)
+
+
+def test_image_count_needs_no_new_compile(fixture_model_f32, rng_seed):
+    """One image and then two of the same patch total run through one compiled tower (the grid is padded to a
+    fixed row count), and the two images encoded together give the rows each gives alone."""
+    from luxjax.models.qwen35 import model as qwen
+    from luxjax.vision.types import ImageInputs
+
+    rng, seed = rng_seed
+    backend = fixture_model_f32.backend
+    patch_dim, merge = backend.cfg.vision.patch_dim, backend.merge
+
+    def inputs(grids):
+        grids = np.asarray(grids)
+        pixels = rng.standard_normal((int(np.prod(grids, 1).sum()), patch_dim)).astype(np.float32)
+        return ImageInputs(pixels, grids, [int(np.prod(g)) // merge**2 for g in grids])
+
+    backend.encode_images(inputs([[1, 8, 8]]))
+    compiled = qwen.encode_images._cache_size()
+    pair = inputs([[1, 4, 8], [1, 8, 4]])
+    together = np.asarray(backend.encode_images(pair))
+    assert qwen.encode_images._cache_size() == compiled, "a second image compiled the tower again"
+    rows = np.cumsum([0] + pair.num_tokens)
+    for i, grid in enumerate(pair.grid_thw):
+        patches = slice(rows[i] * merge**2, rows[i + 1] * merge**2)
+        alone = np.asarray(backend.encode_images(ImageInputs(pair.pixel_values[patches], grid[None],
+                                                             [pair.num_tokens[i]])))
+        np.testing.assert_allclose(together[rows[i]:rows[i + 1]], alone, rtol=0, atol=1e-5,
+                                   err_msg=f"image {i} encoded beside another, seed {seed}")

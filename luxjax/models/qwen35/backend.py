@@ -13,6 +13,7 @@ from luxjax.models.qwen35.config import ModelConfig
 from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
 from luxjax.models.qwen35.prompt import IMAGE_MARKERS, build_prompt, prompt_from_ids
 from luxjax.models.qwen35.vision_tower import frame_grid
+from luxjax.ops.attention import MAX_PACKED_SEGMENTS
 from luxjax.vision.limits import ImageLimits
 from luxjax.vision.messages import parse_messages
 from luxjax.vision.patch_codes import PatchCodes
@@ -95,7 +96,8 @@ class Qwen35Backend:
         pixels = image_inputs.pixel_values
         padded = bucket(len(pixels), 64)
         frames = int(np.asarray(image_inputs.grid_thw)[:, 0].sum())
-        grid = frame_grid(image_inputs.grid_thw, bucket(frames, 1))
+        # the rows padded to cuDNN's packed-segment count at least: the tower compiles per patch bucket only
+        grid = frame_grid(image_inputs.grid_thw, bucket(frames, MAX_PACKED_SEGMENTS))
         if isinstance(pixels, PatchCodes):
             codes, table, grid = jax.device_put((pixels.padded_codes(padded), pixels.table, grid),
                                                 self._weights_sharding())

@@ -111,19 +111,6 @@ def expand_key_heads(x, v_heads: int, head_order: str = "grouped"):
     return jnp.repeat(x, r, axis=1)
 
 
-def _value_groups(x, k_heads: int, head_order: str):
-    """[B, H, ...] per value head -> [B, G1, G2, ...], the heads split so that a key-side array from _key_side
-    broadcasts against it: (H / Hk, Hk) for "tiled", (Hk, H / Hk) for "grouped"."""
-    r = x.shape[1] // k_heads
-    groups = (r, k_heads) if head_order == "tiled" else (k_heads, r)
-    return x.reshape(x.shape[0], *groups, *x.shape[2:])
-
-
-def _key_side(x, head_order: str):
-    """[B, Hk, ...] per key head -> [B, 1, Hk, ...] ("tiled") or [B, Hk, 1, ...] ("grouped")."""
-    return x[:, None] if head_order == "tiled" else x[:, :, None]
-
-
 def chunk_inputs(q, k, v, g, beta, chunk: int = 64, head_order: str = "grouped"):
     """The parallel part of the chunked (UT-transform) form: everything except the scan over chunks.
     Returns (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay), each [B, H, n, ...] per value head.
@@ -145,18 +132,19 @@ def chunk_inputs(q, k, v, g, beta, chunk: int = 64, head_order: str = "grouped")
     def chunked(x):
         return x.reshape(x.shape[0], x.shape[1], n, chunk, *x.shape[3:])
 
-    def per_value_head(x):  # [B, G1, G2, ...] -> [B, H, ...]
-        return x.reshape(B, H, *x.shape[3:])
+    def per_value_head(x):  # [B, Hk, ...] -> [B, H, ...]: a broadcast that XLA fuses into its consumers
+        return expand_key_heads(x, H, head_order)
 
-    q, k = (_key_side(chunked(x), head_order) for x in (q, k))  # [B, (1, Hk | Hk, 1), n, C, dk]
-    v, g, beta = (_value_groups(chunked(x), k_heads, head_order) for x in (v, g, beta))
-    cum = compensated_cumsum(g)  # [B, G1, G2, n, C]
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    cum = compensated_cumsum(g)  # [B, H, n, C]
 
     upper = jnp.triu(jnp.ones((chunk, chunk), dtype=bool), 1)
     pair_decay = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
     k_t = jnp.swapaxes(k, -1, -2)
-    ut_system = beta[..., :, None] * _mm(k, k_t) * pair_decay  # (beta k) k^T, the product per key head
-    intra = _mm(q, k_t) * pair_decay
+    # the chunk products once per key head; (beta k) k^T as beta_i (k k^T)_ij
+    ut_system = beta[..., :, None] * per_value_head(_mm(k, k_t)) * pair_decay
+    intra = per_value_head(_mm(q, k_t)) * pair_decay
+    q, k = per_value_head(q), per_value_head(k)
     k_beta = k * beta[..., None]
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
 
@@ -167,8 +155,8 @@ def chunk_inputs(q, k, v, g, beta, chunk: int = 64, head_order: str = "grouped")
 
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])  # [B, G1, G2, n]
-    return tuple(per_value_head(x) for x in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, H, n]
+    return new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, *, boundary_block=None,

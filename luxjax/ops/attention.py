@@ -115,13 +115,16 @@ def block_diagonal_attention(q, k, v, segments, *, scale: float):
     ids = segments.ids if isinstance(segments, ImageSegments) else segments
     if _cudnn_applies(q) and backend.cudnn_packed_attention():
         packed = segments if isinstance(segments, ImageSegments) else image_segments(ids)
-        if isinstance(packed.fits, bool):
-            if packed.fits:
-                return cudnn_block_diagonal_attention(q, k, v, packed, scale=scale)
-            return _kernel_block_diagonal_attention(q, k, v, ids, scale=scale)
-        return jax.lax.cond(packed.fits, lambda: cudnn_block_diagonal_attention(q, k, v, packed, scale=scale),
-                            lambda: _kernel_block_diagonal_attention(q, k, v, ids, scale=scale))
+        return _branch(packed.fits, lambda: cudnn_block_diagonal_attention(q, k, v, packed, scale=scale),
+                       lambda: _kernel_block_diagonal_attention(q, k, v, ids, scale=scale))
     return _kernel_block_diagonal_attention(q, k, v, ids, scale=scale)
+
+
+def _branch(pred, if_true, if_false):
+    """if_true() or if_false(): chosen while tracing where pred is a Python bool, else by lax.cond."""
+    if isinstance(pred, bool):
+        return if_true() if pred else if_false()
+    return jax.lax.cond(pred, if_true, if_false)
 
 
 def _cudnn_applies(q) -> bool:

@@ -47,6 +47,15 @@ IQ4_TABLE_WORDS = tuple(sum((IQ4_KVALUES[4 * w + i] + IQ4_BIAS) << (8 * i) for i
 KERNEL_CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_TABLE_WORDS)
 
 
+def kernel_magic(const_ref, *, use_byte_perm: bool, interpret: bool) -> Magic:
+    """The Magic numbers from a kernel's ref of KERNEL_CONSTANTS."""
+    magic = (const_ref[0], lax.bitcast_convert_type(const_ref[1], jnp.float32),
+             tuple(const_ref[2 + i] for i in range(len(KERNEL_CONSTANTS) - 2)))
+    if interpret:  # interpreted, the kernel is XLA ops on a constant input: keep XLA from folding the rounding away
+        magic = lax.optimization_barrier(magic)
+    return Magic(*magic, use_byte_perm=use_byte_perm)
+
+
 def _u2f(v: jax.Array, magic: Magic, bias: float = 0.0) -> jax.Array:
     """Unsigned integers < 2^23 -> float32 (v - bias), exact."""
     f = lax.bitcast_convert_type(v.astype(jnp.uint32) | magic.bits, jnp.float32)
@@ -91,6 +100,14 @@ class KernelFormat:
     # Most rows of x the GEMV reduce takes by default (each weight decoded once, one multiply-add per row); more go
     # to the tensor-core regime. Where each measured faster on an H200 (benchmarks/bench_decode_gemv.py --rows-sweep).
     reduce_rows: int = 1
+
+
+def in_kernel_order(x: jax.Array, fmt: KernelFormat) -> jax.Array:
+    """x [..., K] -> [..., K / block, *permuted block]: each block's values in the order the format's pieces emit
+    them, so that a kernel multiplies decoded weights by x without shuffling either."""
+    xp = x.reshape(*x.shape[:-1], x.shape[-1] // fmt.block, *fmt.x_split)
+    lead = x.ndim
+    return xp.transpose(*range(lead), *(lead + a for a in fmt.x_perm))
 
 
 def _q8_0(p, sl, magic):

@@ -38,7 +38,7 @@ from luxjax.ops import backend
 from pallas_kernels import byte_perm
 from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
 from pallas_kernels.fma import fma
-from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, Magic
+from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, in_kernel_order, kernel_magic
 
 GEMV_MAX_ROWS = 16  # x rows up to this use the streaming kernel, more the tiled GEMM
 REDUCE_MAX_ROWS = 8  # the GEMV reduce takes up to this many rows of x (the formats' defaults: KernelFormat.reduce_rows)
@@ -85,14 +85,14 @@ _FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8), (T.Q4_K, 2): (16, 1024, 8), (T.Q
 _SKINNY_VALUES = {T.IQ4_XS: 256, T.Q6_K: 256}
 
 
-def _blocks_per_step(blocks: int, wanted: int) -> int:
+def blocks_per_step(blocks: int, wanted: int) -> int:
     kb = 1
     while kb * 2 <= wanted and blocks % (kb * 2) == 0:
         kb *= 2
     return kb
 
 
-class _Rows:
+class RowView:
     """This program's BN rows (of layer `layer` when stacked) of a whole plane ref, indexed like a [BN, blocks, ...]
     block: view[:, sl, ...] -> ref[layer, rows, sl, ...] in one load (Triton lowers a single indexer)."""
 
@@ -106,7 +106,7 @@ class _Rows:
         return self._ref[(*self._prefix, *idx[1:])]
 
 
-_WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
+WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
 
 
 def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset,
@@ -126,12 +126,8 @@ def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, 
     rows = pl.ds(pl.multiple_of(pl.program_id(1) * block_n, block_n), block_n)
     split = pl.program_id(2)
     prefix = (layer_ref[0], rows) if stacked else (rows,)
-    planes = {name: _Rows(ref, prefix) for name, ref in zip(names, plane_refs)}
-    magic = (const_ref[0], lax.bitcast_convert_type(const_ref[1], jnp.float32),
-             tuple(const_ref[2 + i] for i in range(len(KERNEL_CONSTANTS) - 2)))
-    if interpret:  # interpreted, the kernel is XLA ops on a constant input: keep XLA from folding the rounding away
-        magic = lax.optimization_barrier(magic)
-    magic = Magic(*magic, use_byte_perm=use_byte_perm)
+    planes = {name: RowView(ref, prefix) for name, ref in zip(names, plane_refs)}
+    magic = kernel_magic(const_ref, use_byte_perm=use_byte_perm, interpret=interpret)
 
     def k_slice(s):
         """The blocks of K step s of this program's share of K."""
@@ -245,7 +241,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
         raise ValueError(f"no row tile divides the {n} rows of the stacked weight")
     reduce = bs.block_m <= REDUCE_MAX_ROWS
     blocks = k // fmt.block
-    kb = _blocks_per_step(blocks, bs.blocks_k)
+    kb = blocks_per_step(blocks, bs.blocks_k)
     if layer is None:
         planes = {name: _pad_to(w.planes[name].reshape(n, blocks, *shape), 0, bs.block_n)
                   for name, shape in fmt.planes.items()}
@@ -253,8 +249,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
         if n % bs.block_n:
             raise ValueError(f"stacked weight rows {n} must be a multiple of block_n={bs.block_n}")
         planes = {name: w.planes[name].reshape(-1, n, blocks, *shape) for name, shape in fmt.planes.items()}
-    xp = x.reshape(m, blocks, *fmt.x_split)
-    xp = xp.transpose(0, 1, *(2 + a for a in fmt.x_perm))
+    xp = in_kernel_order(x, fmt)
     if reduce and bs.widens_x:  # fused into the permute XLA already does: see _kernel
         xp = xp.astype(jnp.float32)
     xp = _pad_to(xp, 0, bs.block_m)
@@ -281,7 +276,7 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
         kernel,
         out_shape=split_out_shape(splits, mp, np_, out_dtype),
         grid=(mp // bs.block_m, np_ // bs.block_n, splits),
-        in_specs=[*(_WHOLE for _ in range(len(planes) + 1 + (layer is not None))), *x_specs],
+        in_specs=[*(WHOLE for _ in range(len(planes) + 1 + (layer is not None))), *x_specs],
         out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"quant_matmul_{w.ggml_type.name.lower()}",

@@ -2,14 +2,15 @@
 
 `_impl` is the single dispatch point: packed weights in a format with a fused kernel, with at most
 _PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when luxjax.ops.backend chooses Pallas
-(GPU by default, LUXJAX_KERNELS overrides); everything else takes the XLA path, which dequantizes inside the
-jitted graph and is the kernels' oracle. Packed prefill stays on XLA: the fused GEMM measured 116 TFLOP/s on an H200
-(Q8_0, M=1024) where XLA's dequantize-then-cuBLAS runs near the ~590 TFLOP/s bf16 rate.
+(GPU by default, LUXJAX_KERNELS overrides); larger products of packed weights decode them with the Pallas
+dequantize kernel and run one vendor GEMM (the fused GEMM measured 116 TFLOP/s on an H200 (Q8_0, M=1024) where
+cuBLAS on bf16 runs near 700); everything else takes the XLA path, which dequantizes inside the jitted graph and is
+the kernels' oracle.
 
 A weight may also come as a LayerSlice: one layer of a weight stacked over the scanned layers, not yet sliced.
 Decode-sized products read it in place with the stacked kernels (dense or packed), and so do larger products of
-dense 16-bit weights (pallas_kernels/dense_gemm.py: XLA would copy the slice before cuBLAS); everything else
-slices it.
+dense 16-bit weights (pallas_kernels/dense_gemm.py: XLA would copy the slice before cuBLAS) and the dequantize
+kernel; everything else slices it.
 """
 from __future__ import annotations
 
@@ -60,6 +61,16 @@ def _pallas_linear(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Arra
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def _dequantized_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
+    """x @ W.T (W[layer].T for a stacked w) for a prefill-sized x: W decoded by the Pallas dequantize kernel, then
+    one vendor GEMM; None where the kernel does not take w."""
+    from pallas_kernels import quant_dequantize
+
+    if not (backend.use_pallas() and quant_dequantize.supported(w, x.dtype, stacked=layer is not None)):
+        return None
+    return quant_dequantize.dequantized_matmul(x, w, layer, out_dtype=out_dtype, interpret=backend.interpret())
+
+
 def _kernel_applies(x: jax.Array, w: Weight) -> bool:
     return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS and w.ndim == 2
             and 0 < math.prod(x.shape[:-1]) <= _PALLAS_MAX_ROWS
@@ -75,7 +86,7 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
         from pallas_kernels import quant_matmul as kernels
 
         if not kernels.stacked_supported(x.shape, w.stacked):
-            return None
+            return _dequantized_linear(x, w.stacked, w.index, out_dtype)
         y = kernels.stacked_quant_matmul(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
     else:
         from pallas_kernels import dense_gemm, dense_gemv
@@ -115,7 +126,13 @@ def _impl(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
         if y is not None:
             return y
         w = w.take()
-    return (_pallas_linear if _kernel_applies(x, w) else _xla_linear)(x, w, out_dtype)
+    if _kernel_applies(x, w):
+        return _pallas_linear(x, w, out_dtype)
+    if isinstance(w, QuantizedTensor) and math.prod(x.shape[:-1]) > _PALLAS_MAX_ROWS:
+        y = _dequantized_linear(x, w, None, out_dtype)
+        if y is not None:
+            return y
+    return _xla_linear(x, w, out_dtype)
 
 
 def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:

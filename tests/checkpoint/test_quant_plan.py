@@ -52,8 +52,26 @@ def test_random_blocks_decode_small_and_finite(ggml_type):
     assert 1e-4 < values.std() and np.abs(values).max() <= 0.06
 
 
-def test_random_quantized_model_matches_its_dequantized_twin():
+@pytest.mark.parametrize("kernels", ["xla", "pallas, packed weights in place"])
+def test_random_quantized_model_matches_its_dequantized_twin(kernels, monkeypatch):
+    """Also with the Pallas kernels (interpreted here) and the prefill layout CUDA uses: dense matrices sliced by the
+    layer scan, packed ones kept stacked and decoded in place by the dequantize kernel."""
     from gguf.constants import GGMLQuantizationType
+
+    import jax
+
+    from luxjax.ops import backend
+    from pallas_kernels import quant_dequantize
+
+    in_place_layers = []
+    if kernels != "xla":
+        jax.clear_caches()  # the jitted prefill traced on the XLA path would otherwise be reused
+        monkeypatch.setattr(backend, "use_pallas", lambda: True)
+        monkeypatch.setattr(backend, "interpret", lambda: True)
+        monkeypatch.setattr(backend, "cublas_reads_scanned_slices", lambda: True)
+        real = quant_dequantize.dequantized_matmul
+        monkeypatch.setattr(quant_dequantize, "dequantized_matmul", lambda x, w, layer, **kw: (
+            in_place_layers.append((layer is not None, w.shape)) or real(x, w, layer, **kw)))
 
     import luxjax.checkpoint.quants as quants
     from luxjax.api import Model
@@ -81,3 +99,8 @@ def test_random_quantized_model_matches_its_dequantized_twin():
               .forward_logits(ids) for name, weights in (("packed", packed), ("twin", twin))]
     assert np.isfinite(logits[0]).all() and np.abs(logits[0]).max() > 0
     np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4 * np.abs(logits[1]).max())
+    if kernels != "xla":
+        head = packed["lm_head.weight"].shape  # all logits: the head is no layer of a scan
+        assert in_place_layers and all(kept or shape == head for kept, shape in in_place_layers), (
+            f"packed prefill products should be decoded in place: {in_place_layers}")
+        jax.clear_caches()

@@ -200,7 +200,8 @@ def test_float32_output_is_the_unrounded_accumulator(m, seed):
 
 
 def test_linear_dispatches_to_kernel(monkeypatch, seed):
-    """linear() takes the kernel for decode-sized x when Pallas is chosen (leading axes kept), XLA for prefill."""
+    """linear() takes the fused kernel for decode-sized x when Pallas is chosen (leading axes kept), not for prefill
+    (tests/kernels/test_quant_dequantize.py follows that path)."""
     rng = np.random.default_rng(seed)
     w, dense = random_weight(rng, T.Q6_K, 33, 512)
     x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.float32)
@@ -215,7 +216,7 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     wide = linear_mod.linear(x.astype(jnp.bfloat16), w, out_dtype=jnp.float32)
     assert len(calls) == 2 and wide.dtype == jnp.float32, "out_dtype must reach the kernel"
     linear_mod.linear(jnp.ones((linear_mod._PALLAS_MAX_ROWS + 1, 512), jnp.float32), w)
-    assert len(calls) == 2, "prefill-sized x should take the XLA path"
+    assert len(calls) == 2, "prefill-sized x should not take the fused kernel"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 9, 40])

@@ -145,8 +145,9 @@ def test_stacked_quant_matmul_reads_the_chosen_layer(ggml_type, m, seed, interpr
 @pytest.mark.parametrize("weight", ["bf16", "IQ4_XS", "Q6_K odd rows"])
 @pytest.mark.parametrize("pallas", [False, True])
 def test_linear_on_layer_slice(monkeypatch, seed, weight, pallas):
-    """linear() on a LayerSlice: the stacked kernel for decode-sized x when Pallas is chosen and the rows fit its
-    tiles; otherwise the layer is sliced and takes the usual path. Same values either way."""
+    """linear() on a LayerSlice: when Pallas is chosen and the rows fit its tiles, the stacked kernels read the layer
+    in place (decode-sized x: the GEMVs; more rows: the in-place GEMM for a dense weight and x of its dtype, the
+    dequantize kernel for a packed one); otherwise the layer is sliced and takes the usual path. Same values."""
     rng = np.random.default_rng(seed)
     layers, k = 3, 256
     if weight == "bf16":
@@ -166,8 +167,8 @@ def test_linear_on_layer_slice(monkeypatch, seed, weight, pallas):
     layer = int(rng.integers(0, layers))
     sliced = LayerSlice(stack(ws), jnp.int32(layer))
     prefill_rows = int(rng.integers(linear_mod._PALLAS_MAX_ROWS + 1, 100))
-    cases = [(1, jnp.float32, True), (4, jnp.float32, True), (prefill_rows, jnp.float32, False),
-             (prefill_rows, jnp.bfloat16, weight == "bf16")]  # the in-place GEMM: dense weight and x of one dtype
+    cases = [(1, jnp.float32, True), (4, jnp.float32, True), (prefill_rows, jnp.float32, weight != "bf16"),
+             (prefill_rows, jnp.bfloat16, True)]
     for rows, x_dtype, kernel_expected in cases:
         x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
         got = linear_mod.linear(x, sliced)

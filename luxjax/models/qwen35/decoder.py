@@ -4,7 +4,7 @@ with depth. Caches are explicit arrays stacked the same way."""
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,17 @@ class _Scoped:
 
     def __call__(self, name):
         return self._get(self._prefix + name)
+
+
+def _is_packed_matrix(path, value) -> bool:
+    return isinstance(value, MatrixParam) and isinstance(value.get_value(), QuantizedTensor)
+
+
+# What Decoder's weights_in_place names: "all" for decode (the GEMV kernels read every layer in place); "packed" for a
+# prefill compiled with backend.LAYER_SCAN_GEMM_OPTIONS (cuBLAS reads the scan's dense slices in place, the
+# dequantize kernel the stacked packed ones); "none" for training (gradients through plain slices).
+InPlace = Literal["none", "packed", "all"]
+_IN_PLACE_FILTERS = {"none": None, "packed": _is_packed_matrix, "all": MatrixParam}
 
 
 def _layer_slices(matrices, index):
@@ -148,7 +159,7 @@ class TextDecoder(nnx.Module):
     def embed(self, ids, dtype):
         return self.embed_tokens(ids, dtype)
 
-    def __call__(self, x, positions, start, valid, caches, *, chunked: bool, weights_in_place: bool = False):
+    def __call__(self, x, positions, start, valid, caches, *, chunked: bool, weights_in_place: InPlace = "none"):
         """x [B, T, hidden] input embeddings in the compute dtype; positions int32 [3, B, T]; start [B] cached tokens
         per sequence; valid [B, T] bool prefix mask. Returns (final-norm hidden [B, T, hidden], new caches).
         The residual stream stays float32 between layers (bf16 mode rounds only inside the blocks).
@@ -165,14 +176,17 @@ class TextDecoder(nnx.Module):
         return self.norm(x).astype(dtype), caches
 
     @staticmethod
-    def _scan_segment(segment, x, caches, *, weights_in_place: bool = False, **kw):
+    def _scan_segment(segment, x, caches, *, weights_in_place: InPlace = "none", **kw):
         """One lax.scan over the segment's steps (each its group of pattern repeats, layer by layer).
-        weights_in_place: the matrices stay stacked and each layer gets LayerSlices of them (decode kernels read them
-        in place) instead of the scan's copies of its slices."""
-        filters = (MatrixParam, ...) if weights_in_place else (...,)
+        weights_in_place: which matrices stay stacked, each layer getting LayerSlices of them (kernels read them in
+        place) instead of the scan's slices: "all", "packed" (quantized ones only) or "none"."""
+        if weights_in_place not in _IN_PLACE_FILTERS:
+            raise ValueError(f"weights_in_place={weights_in_place!r}; expected one of {tuple(_IN_PLACE_FILTERS)}")
+        in_place = _IN_PLACE_FILTERS[weights_in_place]
+        filters = (in_place, ...) if in_place else (...,)
         split = [nnx.split(stack, *filters) for stack in segment]  # (graphdef, [stacked matrices,] scanned rest)
         graphdefs = [g for g, *_ in split]
-        matrices = [parts[1] for parts in split] if weights_in_place else None
+        matrices = [parts[1] for parts in split] if in_place else None
         scanned = [parts[-1] for parts in split]
 
         def body(h, xs):

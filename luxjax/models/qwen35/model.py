@@ -84,7 +84,7 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
     rows = jax.tree.map(lambda c: jnp.where(fresh, jnp.zeros_like(c), c), rows)
     valid = (jnp.arange(T) < valid_len)[None]
     h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True,
-                         weights_in_place=not backend.cublas_reads_scanned_slices())
+                         weights_in_place="packed" if backend.cublas_reads_scanned_slices() else "all")
     caches = _put_slot_rows(caches, rows, slot)
     if all_logits:
         return model.text.logits(h[0]), caches
@@ -99,5 +99,5 @@ def decode(graphdef, state, caches, ids, positions, start, active, *, dtype):
     model = _merge(graphdef, state)
     x = model.text.embed(ids[:, None], dtype)
     h, caches = model.text(x, positions[:, :, None], start, active[:, None], caches, chunked=False,
-                           weights_in_place=True)
+                           weights_in_place="all")
     return model.text.logits(h[:, 0]), caches

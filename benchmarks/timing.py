@@ -49,15 +49,27 @@ def gpu_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
     return {name: (n, us) for name, (n, us) in totals.items()}
 
 
-def kernel_ms(fn, *args, prefix: str, calls: int = 3, warmups: int = 1) -> float | None:
-    """Median GPU milliseconds of one launch of the kernels whose names start with `prefix`, over a profiler trace of
-    `calls` calls of fn(*args) after `warmups`; None where the trace holds no such kernel (on a CPU, say). Unlike a
-    wall-clock median this leaves out dispatch, the small ops around the kernel and a loop's per-iteration cost."""
+def _traced_kernels(fn, *args, calls: int, warmups: int) -> list[tuple[str, float]]:
+    """(kernel name, µs) of every GPU kernel in a profiler trace of `calls` calls of fn(*args) after `warmups`."""
     for _ in range(warmups):
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(calls):
                 jax.block_until_ready(fn(*args))
-        durations = [us for name, us in gpu_kernel_events(d) if name.startswith(prefix)]
+        return gpu_kernel_events(d)
+
+
+def kernel_ms(fn, *args, prefix: str, calls: int = 3, warmups: int = 1) -> float | None:
+    """Median GPU milliseconds of one launch of the kernels whose names start with `prefix`, over a profiler trace of
+    `calls` calls of fn(*args) after `warmups`; None where the trace holds no such kernel (on a CPU, say). Unlike a
+    wall-clock median this leaves out dispatch, the small ops around the kernel and a loop's per-iteration cost."""
+    durations = [us for name, us in _traced_kernels(fn, *args, calls=calls, warmups=warmups) if name.startswith(prefix)]
     return float(np.median(durations)) / 1e3 if durations else None
+
+
+def call_kernels_ms(fn, *args, calls: int = 5, warmups: int = 2) -> float | None:
+    """GPU milliseconds of all kernels of one call of fn(*args) (whatever XLA named its fusions), averaged over a
+    profiler trace of `calls` calls; None where the trace holds no GPU kernel (on a CPU)."""
+    events = _traced_kernels(fn, *args, calls=calls, warmups=warmups)
+    return sum(us for _, us in events) / calls / 1e3 if events else None

@@ -96,16 +96,15 @@ def dequantize_in_kernel_order(w: QuantizedTensor, layer: jax.Array | None = Non
     blocks = k // fmt.block
     bs = block_sizes or BlockSizes.get_default(w.ggml_type)
     kb = blocks_per_step(blocks, bs.blocks_k)
-    block_n = bs.block_n
     stacked = layer is not None
     if stacked:  # stacked planes cannot be padded (that would copy them): the row tile must divide the rows
-        block_n = _row_tile(block_n, n)
+        block_n, pad = _row_tile(bs.block_n, n), 0
         planes = {name: w.planes[name].reshape(-1, n, blocks, *shape) for name, shape in fmt.planes.items()}
     else:
-        pad = -n % block_n
+        block_n, pad = bs.block_n, -n % bs.block_n
         planes = {name: jnp.pad(w.planes[name].reshape(n, blocks, *shape), [(0, pad)] + [(0, 0)] * (1 + len(shape)))
                   for name, shape in fmt.planes.items()}
-    rows = n + (0 if stacked else -n % block_n)
+    rows = n + pad
     block_shape = in_kernel_order(jnp.zeros((fmt.block,), jnp.int8), fmt).shape[1:]  # one block, permuted
     kernel = functools.partial(_kernel, names=tuple(planes), stacked=stacked, pieces=fmt.pieces,
                                use_byte_perm=uses_byte_perm(interpret), interpret=interpret)

@@ -105,7 +105,7 @@ def dequantize_in_kernel_order(w: QuantizedTensor, layer: jax.Array | None = Non
         planes = {name: jnp.pad(w.planes[name].reshape(n, blocks, *shape), [(0, pad)] + [(0, 0)] * (1 + len(shape)))
                   for name, shape in fmt.planes.items()}
     rows = n + pad
-    block_shape = in_kernel_order(jnp.zeros((fmt.block,), jnp.int8), fmt).shape[1:]  # one block, permuted
+    block_shape = tuple(fmt.x_split[a] for a in fmt.x_perm)  # one block, permuted
     kernel = functools.partial(_kernel, names=tuple(planes), stacked=stacked, pieces=fmt.pieces,
                                use_byte_perm=uses_byte_perm(interpret), interpret=interpret)
     out = pl.pallas_call(

@@ -63,10 +63,12 @@ def _pallas_linear(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Arra
 
 def _dequantized_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
     """x @ W.T (W[layer].T for a stacked w) for a prefill-sized x: W decoded by the Pallas dequantize kernel, then
-    one vendor GEMM; None where the kernel does not take w."""
+    one vendor GEMM; None for decode-sized x (the fused GEMV's) or where the kernel does not take w."""
     from pallas_kernels import quant_dequantize
 
-    if not (backend.use_pallas() and quant_dequantize.supported(w, x.dtype, stacked=layer is not None)):
+    if math.prod(x.shape[:-1]) <= _PALLAS_MAX_ROWS or not backend.use_pallas():
+        return None
+    if not quant_dequantize.supported(w, x.dtype, stacked=layer is not None):
         return None
     return quant_dequantize.dequantized_matmul(x, w, layer, out_dtype=out_dtype, interpret=backend.interpret())
 
@@ -128,7 +130,7 @@ def _impl(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
         w = w.take()
     if _kernel_applies(x, w):
         return _pallas_linear(x, w, out_dtype)
-    if isinstance(w, QuantizedTensor) and math.prod(x.shape[:-1]) > _PALLAS_MAX_ROWS:
+    if isinstance(w, QuantizedTensor):
         y = _dequantized_linear(x, w, None, out_dtype)
         if y is not None:
             return y

@@ -23,11 +23,6 @@ from test_quant_matmul import TYPES, check, random_weight
 REL_TOL = {jnp.float32: 2.0**-23, jnp.bfloat16: 2.0**-8 + 2.0**-23, jnp.float16: 2.0**-11 + 2.0**-23}
 
 
-@pytest.fixture
-def seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
-
-
 def column_order(ggml_type, k: int) -> np.ndarray:
     """Which column of W each column of the kernel's output holds (x_in_kernel_order applied to 0..k-1)."""
     order = np.asarray(qd.x_in_kernel_order(jnp.arange(k, dtype=jnp.float32)[None], ggml_type))[0].astype(np.int64)

@@ -65,12 +65,19 @@ def measure(fmt: str, out: int, k: int, sweep: bool, scale: int) -> dict:
             best = (bs or qd.BlockSizes.get_default(stacked.ggml_type), ms)
     row["kernel_tiles"], row["kernel_ms"] = str(best[0]), best[1]
     row["kernel_TBps"] = (packed_bytes + out * k * 2) / best[1] / 1e9
+    natural = jax.jit(lambda st, i: qd.dequantize_in_kernel_order(st, i, dtype=jnp.bfloat16, natural_order=True,
+                                                                  interpret=backend.interpret()))
+    row["kernel_natural_order_ms"] = time_ms(natural, stacked, layer)
     x = jax.random.normal(jax.random.key(LAYERS), (ROWS, k), jnp.bfloat16)
     via_xla = jax.jit(lambda x, st, i: jnp.dot(x, dequantize(take(st, i), jnp.bfloat16).T,
                                                preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    via_kernel = jax.jit(lambda x, st, i: qd.dequantized_matmul(x, st, i, interpret=backend.interpret()))
+    via_kernel = jax.jit(lambda x, st, i: qd.dequantized_matmul(x, st, i, natural_order=False,
+                                                                interpret=backend.interpret()))
+    via_natural = jax.jit(lambda x, st, i: qd.dequantized_matmul(x, st, i, natural_order=True,
+                                                                 interpret=backend.interpret()))
     row["product_xla_ms"] = time_ms(via_xla, x, stacked, layer)
     row["product_kernel_ms"] = time_ms(via_kernel, x, stacked, layer)
+    row["product_natural_order_ms"] = time_ms(via_natural, x, stacked, layer)
     diff = via_xla(x, stacked, layer).astype(jnp.float32) - via_kernel(x, stacked, layer).astype(jnp.float32)
     row["products_max_abs_diff"] = float(jnp.max(jnp.abs(diff)))
     return row
@@ -87,11 +94,12 @@ def main():
     rows = [measure(fmt, out, k, args.sweep, args.scale) for fmt, out, k in tqdm(cases, desc="dequantize")]
     timing = "GPU kernel time" if jax.default_backend() == "gpu" else "wall time, the kernel interpreted"
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}; ms per call ({timing})")
-    print("| weights | out x in | XLA decode ms | kernel ms (tiles) | kernel TB/s | product via XLA ms "
-          "| product via kernel ms |\n|---|---|---|---|---|---|---|")
+    print("| weights | out x in | XLA decode ms | kernel ms (tiles) | kernel TB/s | kernel, natural order ms "
+          "| product via XLA ms | product via kernel ms (x permuted) | natural order ms |\n" + "|---" * 9 + "|")
     for r in rows:
         print(f"| {r['format']} | {r['out']} x {r['in']} | {r['xla_decode_ms']:.3f} | {r['kernel_ms']:.3f} "
-              f"{r['kernel_tiles']} | {r['kernel_TBps']:.2f} | {r['product_xla_ms']:.3f} | {r['product_kernel_ms']:.3f} |")
+              f"{r['kernel_tiles']} | {r['kernel_TBps']:.2f} | {r['kernel_natural_order_ms']:.3f} | "
+              f"{r['product_xla_ms']:.3f} | {r['product_kernel_ms']:.3f} | {r['product_natural_order_ms']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)

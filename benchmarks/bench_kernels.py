@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -22,15 +24,18 @@ from pallas_kernels import prefill_attention as prefill
 from pallas_kernels import vision_attention as vision
 
 from luxjax.ops.attention import xla_block_diagonal_attention, xla_cached_attention
-from luxjax.ops.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from luxjax.ops.delta_rule import chunk_gated_delta_rule, chunk_inputs, recurrent_gated_delta_rule
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent
 from pallas_kernels.prefill_attention import prefill_attention
 from pallas_kernels.vision_attention import vision_attention
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timing import call_kernels_ms  # noqa: E402
+
 HBM_TBS, BF16_TFLOPS = 4.1, 790.0
 HQ, HKV, D = 24, 4, 256  # 27B full-attention layers
-DN_HEADS, DN_DIM = 48, 128  # 27B DeltaNet layers
+DN_HEADS, DN_KEY_HEADS, DN_DIM = 48, 16, 128  # 27B DeltaNet layers
 
 
 def time_op(fn, *args, n: int = 20, reps: int = 3) -> float:
@@ -121,10 +126,10 @@ def cudnn_vision_time(q, k, v, seg):
                    q, k, v, n=10)
 
 
-def deltanet_inputs(rng, B, T):
+def deltanet_inputs(rng, B, T, key_heads: int = DN_HEADS):
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(normal(rng, (B, DN_HEADS, T, DN_DIM), jnp.float32)) * DN_DIM**-0.5
-    k = unit(normal(rng, (B, DN_HEADS, T, DN_DIM), jnp.float32))
+    q = unit(normal(rng, (B, key_heads, T, DN_DIM), jnp.float32)) * DN_DIM**-0.5
+    k = unit(normal(rng, (B, key_heads, T, DN_DIM), jnp.float32))
     v = normal(rng, (B, DN_HEADS, T, DN_DIM), jnp.float32)
     g = -jax.nn.softplus(normal(rng, (B, DN_HEADS, T), jnp.float32))
     beta = jax.nn.sigmoid(normal(rng, (B, DN_HEADS, T), jnp.float32))
@@ -139,11 +144,23 @@ def deltanet_cases(rng):
         gbs = 2 * B * DN_HEADS * DN_DIM * DN_DIM * 4 / t_pl / 1e9
         yield dict(kernel="DeltaNet recurrent", shape=f"B={B} T=1", pallas_us=t_pl * 1e6, xla_us=t_xla * 1e6,
                    metric=f"{gbs:.0f} GB/s", of_peak=gbs / (HBM_TBS * 1e3))
-    args = deltanet_inputs(rng, 1, 1012)
-    t_pl = time_op(gated_delta_chunked, *args, n=5)
+    args = deltanet_inputs(rng, 1, 1012, DN_KEY_HEADS)
     t_xla = time_op(chunk_gated_delta_rule, *args, n=5)
-    yield dict(kernel="DeltaNet chunked", shape="B=1 T=1012", pallas_us=t_pl * 1e6, xla_us=t_xla * 1e6,
-               metric="", of_peak=None)
+    for prepare in (True, False):
+        bs = gated_delta.BlockSizes(prepare_in_kernel=prepare)
+        t_pl = time_op(lambda *a: gated_delta_chunked(*a, block_sizes=bs), *args, n=5)
+        yield dict(kernel="DeltaNet chunked" + ("" if prepare else ", per-chunk part in XLA"),
+                   shape=f"B=1 T=1012 {DN_KEY_HEADS} key heads", pallas_us=t_pl * 1e6, xla_us=t_xla * 1e6,
+                   metric="", of_peak=None)
+    q, k, v, g, beta, _ = args
+    xla_ms = call_kernels_ms(jax.jit(chunk_inputs), q, k, v, g, beta)
+    for warps in (4, 8):
+        prepare = jax.jit(functools.partial(gated_delta.gated_delta_chunk_prepare, num_warps=warps))
+        ms = call_kernels_ms(prepare, q, k, v, g, beta)
+        if ms is None or xla_ms is None:  # no GPU trace: wall time
+            ms, xla_ms = 1e3 * time_op(prepare, q, k, v, g, beta, n=3), 1e3 * time_op(chunk_inputs, q, k, v, g, beta, n=3)
+        yield dict(kernel=f"DeltaNet per-chunk part ({warps} warps), GPU time", shape="B=1 T=1012",
+                   pallas_us=ms * 1e3, xla_us=xla_ms * 1e3, metric="", of_peak=None)
 
 
 GEMM_SHAPES = ((17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (5120, 6144), (1024, 5120))

@@ -5,8 +5,15 @@ S^T q all keep columns apart), so programs split dv into blocks: grid (B, H, dv 
 stays in registers for the whole sequence and is read and written once.
 
 Chunked form: the parallel, per-chunk part (the UT transform, a 64x64 unitriangular inverse, and the decay
-products) runs in XLA (luxjax.ops.delta_rule.chunk_inputs): it is batched over all chunks and already matmul
-bound. The kernel does the sequential part, the scan over chunks, which XLA runs as one small loop iteration per
+products) runs in XLA by default (luxjax.ops.delta_rule.chunk_inputs, float32 GEMMs), or, with
+BlockSizes.prepare_in_kernel, in `gated_delta_chunk_prepare`: one program per (sequence, value head, chunk) takes
+k k^T and q k^T, the UT system, its inverse and the decayed q and k in registers. Its inverse is the block doubling
+of delta_rule.unit_lower_inverse written with whole-tile products: with X_b the block-diagonal matrix of the
+inverses of the b x b diagonal blocks, X_2b = X_b - X_b (A o M_b) X_b, where M_b selects the lower-left b x b block
+inside each 2b x 2b diagonal block; the same intermediate products as the recursion, so the same numerical
+behaviour. Not the default: on an H200 at the 27B shapes it took 402 us per layer against XLA's 264, nearly all of
+it the TF32x3 emulation of float32 products (all dots in plain TF32: 182 us; without the inverse: 268 us).
+The scan kernel does the sequential part, the scan over chunks, which XLA runs as one small loop iteration per
 chunk; on the way it writes out the state entering one given chunk of each sequence (the DeltaNet cache's
 state at the last 64-token boundary). Compiled dots use TF32x3 (three TF32 tensor-core products, float32-level
 error) unless BlockSizes.dot_precision = "ieee"; interpreted dots use Precision.HIGHEST like the XLA path.
@@ -21,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot
+from pallas_kernels.common import NEG, dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +36,8 @@ class BlockSizes:
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
-    dot_precision: str = "tf32x3"  # or "ieee" (chunked scan only)
+    dot_precision: str = "tf32x3"  # or "ieee" (chunked form only)
+    prepare_in_kernel: bool = False  # chunked form: the per-chunk part by gated_delta_chunk_prepare (module doc)
 
     @classmethod
     def get_default(cls, dv: int, *, recurrent: bool = False) -> "BlockSizes":
@@ -109,6 +117,61 @@ def _chunk_scan_kernel(
     keep_boundary(n, final)
 
 
+def _unit_lower_inverse(a, precision):
+    """inv(I + a) for a strictly lower-triangular tile a [C, C] (C a power of two) by whole-tile block doubling
+    (module doc): X_2 = I - (a o M_1), then X_2b = X_b - X_b ((a o M_b) X_b) for b = 2, 4, ..., C / 2."""
+    C = a.shape[0]
+    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+    def lower_left(log_b):  # the (i, j) in the lower-left b x b block of a 2b x 2b diagonal block
+        same_pair = (i >> (log_b + 1)) == (j >> (log_b + 1))
+        return same_pair & ((i >> log_b) & 1 == 1) & ((j >> log_b) & 1 == 0)
+
+    x = jnp.where(i == j, 1.0, 0.0) - jnp.where(lower_left(0), a, 0.0)
+    for log_b in range(1, C.bit_length() - 1):
+        off_block = jnp.where(lower_left(log_b), a, 0.0)
+        x = x - dot(x, dot(off_block, x, ((1,), (0,)), precision), ((1,), (0,)), precision)
+    return x
+
+
+def _chunk_prepare_kernel(
+    q_ref,  # [B, Hk, Tp, dk]  L2-normalised, scaled
+    k_ref,  # [B, Hk, Tp, dk]
+    v_ref,  # [B, H, Tp, dv]
+    beta_ref,  # [B, H, Tp]
+    cum_ref,  # [B, H, Tp]      running sums of g within each chunk
+    nv_ref,  # [B, H, n, C, dv]  outputs as chunk_inputs returns them
+    kc_ref,  # [B, H, n, C, dk]
+    qd_ref,  # [B, H, n, C, dk]
+    kd_ref,  # [B, H, n, C, dk]
+    intra_ref,  # [B, H, n, C, C]
+    *,
+    group: int,
+    tiled: bool,
+    precision,
+):
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    C = nv_ref.shape[3]
+    key_head = h % q_ref.shape[1] if tiled else h // group
+    rows = pl.ds(c * C, C)
+    q, k = q_ref[b, key_head, rows, :], k_ref[b, key_head, rows, :]
+    beta, cum = beta_ref[b, h, rows], cum_ref[b, h, rows]
+    cum_end = cum_ref[b, h, c * C + C - 1]
+
+    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    pair_decay = jnp.exp(jnp.where(i >= j, cum[:, None] - cum[None, :], NEG))  # 0 above the diagonal
+    intra_ref[b, h, c] = dot(q, k, ((1,), (1,)), precision) * pair_decay
+    ut = jnp.where(i > j, beta[:, None] * dot(k, k, ((1,), (1,)), precision) * pair_decay, 0.0)
+    inverse = _unit_lower_inverse(ut, precision)
+    decay = jnp.exp(cum)
+    nv_ref[b, h, c] = dot(inverse, v_ref[b, h, rows, :] * beta[:, None], ((1,), (0,)), precision)
+    kc_ref[b, h, c] = dot(inverse, k * (beta * decay)[:, None], ((1,), (0,)), precision)
+    qd_ref[b, h, c] = q * decay[:, None]
+    kd_ref[b, h, c] = k * jnp.exp(cum_end - cum)[:, None]
+
+
 def _check(v, state, dk: int, block_v: int):
     B, H, T, dv = v.shape
     if state.shape != (B, H, dk, dv):
@@ -139,6 +202,43 @@ def gated_delta_recurrent(q, k, v, g, beta, state, *, block_sizes: BlockSizes | 
     )(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state))
 
 
+def gated_delta_chunk_prepare(q, k, v, g, beta, *, chunk: int = 64, head_order: str = "grouped", precision=None,
+                               num_warps: int = 4, interpret: bool = False, debug: bool = False):
+    """luxjax.ops.delta_rule.chunk_inputs (same arguments and results) with its per-chunk products in one kernel;
+    the decays' running sums (compensated, see delta_rule.compensated_cumsum) are taken in XLA first. `precision`:
+    the tiles' dot precision (default: TF32x3 compiled, HIGHEST interpreted)."""
+    from luxjax.ops.delta_rule import HEAD_ORDERS, compensated_cumsum
+
+    if head_order not in HEAD_ORDERS:
+        raise ValueError(f"head_order {head_order!r}; expected one of {HEAD_ORDERS}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk {chunk} must be a power of two >= 16")
+    B, k_heads, T, dk = q.shape
+    H, dv = v.shape[1], v.shape[-1]
+    if H % k_heads:
+        raise ValueError(f"{H} value heads do not share {k_heads} key heads evenly")
+    pad = (-T) % chunk
+    n = (T + pad) // chunk
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    q, k, v = (jnp.pad(f32(x), ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+    g, beta = (jnp.pad(f32(x), ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+    cum = compensated_cumsum(g.reshape(B, H, n, chunk))
+    if precision is None:
+        precision = _precision(BlockSizes(), interpret)
+    per_chunk = lambda *tail: jax.ShapeDtypeStruct((B, H, n, chunk, *tail), jnp.float32)  # noqa: E731
+    outs = pl.pallas_call(
+        functools.partial(_chunk_prepare_kernel, group=H // k_heads, tiled=head_order == "tiled",
+                          precision=precision),
+        grid=(B, H, n),
+        out_shape=[per_chunk(dv), per_chunk(dk), per_chunk(dk), per_chunk(dk), per_chunk(chunk)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        debug=debug,
+        name="gated_delta_chunk_prepare",
+    )(q, k, v, beta, cum.reshape(B, H, n * chunk))
+    return (*outs, jnp.exp(cum[..., -1]))
+
+
 @functools.partial(jax.jit, static_argnames=("chunk", "head_order", "block_sizes", "interpret", "debug"))
 def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, boundary_block=None, head_order: str = "grouped",
                         block_sizes: BlockSizes | None = None, interpret: bool = False, debug: bool = False):
@@ -152,7 +252,11 @@ def gated_delta_chunked(q, k, v, g, beta, state, *, chunk: int = 64, boundary_bl
     H, dv = v.shape[1], v.shape[-1]
     bs = block_sizes or BlockSizes.get_default(dv)
     _check(v, state, dk, bs.block_v)
-    xs = chunk_inputs(q, k, v, g, beta, chunk, head_order)
+    if bs.prepare_in_kernel:
+        xs = gated_delta_chunk_prepare(q, k, v, g, beta, chunk=chunk, head_order=head_order,
+                                       precision=_precision(bs, interpret), interpret=interpret, debug=debug)
+    else:
+        xs = chunk_inputs(q, k, v, g, beta, chunk, head_order)
     n = xs[0].shape[2]
     block = jnp.full((B,), n, jnp.int32) if boundary_block is None else boundary_block.astype(jnp.int32)
     state_shape = jax.ShapeDtypeStruct((B, H, dk, dv), jnp.float32)

@@ -7,9 +7,13 @@ table gathers and byte unpacking) reached ~2 TB/s on an H200: 33 ms of a 163 ms 
 This kernel decodes with the fused kernel's decoders (quant_decode.py: byte permutes for the IQ4 codebook on CUDA)
 and writes each value once.
 
-The values come out in the order those decoders emit them, not in W's column order: `dequantize_in_kernel_order`
-gives W with its columns permuted as `x_in_kernel_order` permutes x's, so x_perm @ W_perm.T == x @ W.T. Permuting
-x (one copy of a [T, K] activation) is much cheaper than shuffling every weight.
+The decoders emit the values of a block in their own order. `dequantize_in_kernel_order` writes them either as they
+come (W's columns permuted as `x_in_kernel_order` permutes x's, so x_perm @ W_perm.T == x @ W.T: contiguous stores,
+but x must be permuted, one copy of a [T, K] activation per product) or, with natural_order, each piece stored
+at its own columns of W (no permute of x). Every format's pieces keep their free axes in W's order; where they fix
+W's innermost axis (IQ4_XS: one piece per byte of a packed word), the pieces are interleaved in registers first so
+the stores stay contiguous (stored one value in four, the kernel ran 4x slower). NATURAL_ORDER holds each format's
+choice.
 
 stacked: W stacked over layers, one layer read in place (a slice taken outside the kernel would be copied first).
 """
@@ -44,7 +48,19 @@ class BlockSizes:
         return cls(8, 32) if KERNEL_FORMATS[ggml_type].block == 32 else cls(16, 1)
 
 
-def _kernel(*refs, names, stacked, pieces, use_byte_perm, interpret):
+def _natural_index(x_perm: tuple[int, ...], index: tuple[int, ...]) -> tuple:
+    """A piece's index into the permuted block (fixing its first len(index) axes) as an index into the natural
+    block [*x_split]: the fixed axes at their places, the free ones whole (kept in order: see _free_axes_in_order)."""
+    fixed = dict(zip(x_perm, index))
+    return tuple(fixed.get(axis, slice(None)) for axis in range(len(x_perm)))
+
+
+def _free_axes_in_order(x_perm: tuple[int, ...], fixed: int) -> bool:
+    free = x_perm[fixed:]
+    return list(free) == sorted(free)
+
+
+def _kernel(*refs, names, stacked, pieces, x_perm, use_byte_perm, interpret):
     # [layer], constants, planes [(L,) rows, blocks, *plane] whole, o [BN, KB, *permuted block]
     refs = list(refs)
     layer_ref = refs.pop(0) if stacked else None
@@ -56,15 +72,52 @@ def _kernel(*refs, names, stacked, pieces, use_byte_perm, interpret):
     planes = {name: RowView(ref, prefix) for name, ref in zip(names, plane_refs)}
     magic = kernel_magic(const_ref, use_byte_perm=use_byte_perm, interpret=interpret)
     for pc in pieces(planes, blocks, magic):
-        for values, index in pc.terms:
-            w = values * pc.scale if pc.offset is None else fma(values, pc.scale, pc.offset)
+        terms = [(values * pc.scale if pc.offset is None else fma(values, pc.scale, pc.offset), index)
+                 for values, index in pc.terms]
+        if x_perm is not None:
+            terms = _in_natural_order(terms, x_perm, inner=o_ref.ndim - 3)
+        for w, index in terms:
             o_ref[(slice(None), slice(None), *index)] = w.astype(o_ref.dtype)
+
+
+def _in_natural_order(terms, x_perm: tuple[int, ...], inner: int):
+    """Terms (values, index into the permuted block) as (values, index into the natural block). Where the terms fix
+    the natural block's innermost axis (IQ4_XS: one term per byte of a packed word), the terms that differ only there
+    are interleaved into one (values [..., size]), so that stores stay contiguous instead of one value in `size`."""
+    if not terms or not terms[0][1] or x_perm[len(terms[0][1]) - 1] != inner:
+        return [(values, _natural_index(x_perm, index)) for values, index in terms]
+    groups: dict[tuple, list] = {}
+    for values, index in terms:
+        groups.setdefault(index[:-1], []).append((index[-1], values))
+    out = []
+    for prefix, members in groups.items():
+        members.sort(key=lambda m: m[0])
+        assert [m[0] for m in members] == list(range(len(members))), "a group must cover the innermost axis"
+        index = _natural_index(x_perm, (*prefix, slice(None)))
+        out.append((_interleave([m[1] for m in members]), index))
+    return out
+
+
+def _interleave(tiles: list) -> jax.Array:
+    """[t_0, ..., t_{n-1}] (n a power of two, equal shapes [...]) -> [..., n] with [..., j] = t_j, from two-way
+    joins along a new last axis (the only concatenation Pallas lowers to Triton)."""
+    if len(tiles) == 1:
+        return tiles[0][..., None]
+    evens, odds = _interleave(tiles[0::2]), _interleave(tiles[1::2])  # [..., n / 2]: t_{2a}, t_{2a+1}
+    pairs = jnp.concatenate([evens[..., None], odds[..., None]], axis=-1)  # [..., n / 2, 2]: t_{2a+b}
+    return pairs.reshape(*pairs.shape[:-2], 2 * pairs.shape[-2])
 
 
 def x_in_kernel_order(x: jax.Array, ggml_type) -> jax.Array:
     """x [..., K] with its columns in the order of dequantize_in_kernel_order's (for a weight of `ggml_type`)."""
     return in_kernel_order(x, KERNEL_FORMATS[ggml_type]).reshape(x.shape)
 
+
+# Whether dequantized_matmul writes W in its own column order (no permute of x), per format. Q8_0 and Q6_K: their
+# kernel order is W's. H200 (benchmarks/RESULTS.md, 2026-12-01 session 13), 1,012-row products at 17408 x 5120:
+# natural order 0.314 (IQ4_XS), 0.317 (Q4_K), 0.326 ms (Q5_K) against 0.322, 0.327, 0.332 with x permuted.
+NATURAL_ORDER = {ggml_type: True for ggml_type in KERNEL_FORMATS}
+assert all(_free_axes_in_order(f.x_perm, len(f.x_perm) - len(f.piece)) for f in KERNEL_FORMATS.values())
 
 MIN_STACKED_ROWS = 4  # smallest row tile for a stacked weight (whose rows cannot be padded to the tile)
 
@@ -84,11 +137,13 @@ def _row_tile(block_n: int, rows: int) -> int:
     return block_n
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "natural_order", "block_sizes", "interpret"))
 def dequantize_in_kernel_order(w: QuantizedTensor, layer: jax.Array | None = None, *, dtype=jnp.bfloat16,
-                               block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+                               natural_order: bool = False, block_sizes: BlockSizes | None = None,
+                               interpret: bool = False) -> jax.Array:
     """W [out, in] (or layer `layer` of W stacked over layers: every plane [L, rows, blocks, ...], w.shape one
-    layer's) as a dense [out, in] array of `dtype`, columns in kernel order (see the module doc)."""
+    layer's) as a dense [out, in] array of `dtype`, columns in kernel order, or W's own with natural_order (see
+    the module doc)."""
     fmt = KERNEL_FORMATS.get(w.ggml_type)
     if fmt is None or w.ndim != 2:
         raise NotImplementedError(f"no dequantize kernel for {w.ggml_type.name} {w.shape}")
@@ -105,8 +160,9 @@ def dequantize_in_kernel_order(w: QuantizedTensor, layer: jax.Array | None = Non
         planes = {name: jnp.pad(w.planes[name].reshape(n, blocks, *shape), [(0, pad)] + [(0, 0)] * (1 + len(shape)))
                   for name, shape in fmt.planes.items()}
     rows = n + pad
-    block_shape = tuple(fmt.x_split[a] for a in fmt.x_perm)  # one block, permuted
+    block_shape = fmt.x_split if natural_order else tuple(fmt.x_split[a] for a in fmt.x_perm)  # one block
     kernel = functools.partial(_kernel, names=tuple(planes), stacked=stacked, pieces=fmt.pieces,
+                               x_perm=fmt.x_perm if natural_order else None,
                                use_byte_perm=uses_byte_perm(interpret), interpret=interpret)
     out = pl.pallas_call(
         kernel,
@@ -122,11 +178,14 @@ def dequantize_in_kernel_order(w: QuantizedTensor, layer: jax.Array | None = Non
 
 
 def dequantized_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array | None = None, *, out_dtype=None,
-                       interpret: bool = False) -> jax.Array:
+                       natural_order: bool | None = None, interpret: bool = False) -> jax.Array:
     """x [..., in] @ W.T (W[layer] when stacked) through the kernel's dense W in x's dtype and one vendor GEMM with
-    float32 accumulation (full float32 products for float32 x), result in out_dtype (default x's)."""
-    w_dense = dequantize_in_kernel_order(w, layer, dtype=x.dtype, interpret=interpret)
-    xp = x_in_kernel_order(x, w.ggml_type)
+    float32 accumulation (full float32 products for float32 x), result in out_dtype (default x's). natural_order:
+    W written in its own column order (default: NATURAL_ORDER for its format), else x permuted to the kernel's."""
+    if natural_order is None:
+        natural_order = NATURAL_ORDER[w.ggml_type]
+    w_dense = dequantize_in_kernel_order(w, layer, dtype=x.dtype, natural_order=natural_order, interpret=interpret)
+    xp = x if natural_order else x_in_kernel_order(x, w.ggml_type)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     y = jax.lax.dot_general(xp, w_dense, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                             precision=precision)

@@ -54,6 +54,25 @@ def test_chunked(seed, interpret, dk, dv, T):
             assert err < 5e-5, f"chunked {name} vs XLA {form} {dk=} {dv=} {T=}: rel err {err:.2e}, seed {seed}"
 
 
+def test_chunked_with_prepare_kernel(seed, interpret):
+    """The chunked form with its per-chunk part in gated_delta_chunk_prepare (BlockSizes.prepare_in_kernel), key
+    heads shared, against the recurrent form, with the boundary state."""
+    rng = np.random.default_rng(seed)
+    q, k, v, g, beta, state = _inputs(rng, 2, 4, 100, 64, 64, valid=[100, 91])
+    block = jnp.asarray([1, 0], jnp.int32)
+    bs = gd.BlockSizes(prepare_in_kernel=True)
+    out, final, boundary = gd.gated_delta_chunked(q[:, :2], k[:, :2], v, g, beta, state, boundary_block=block,
+                                                  head_order="tiled", block_sizes=bs, interpret=interpret)
+    q, k = (jnp.tile(x[:, :2], (1, 2, 1, 1)) for x in (q, k))  # value head h reads key head h % 2
+    ref_out, ref_state = gd.gated_delta_reference(q, k, v, g, beta, state)
+    _, ref_boundary = gd.gated_delta_reference(q[:1, :, :64], k[:1, :, :64], v[:1, :, :64], g[:1, :, :64],
+                                               beta[:1, :, :64], state[:1])
+    for name, x, r in [("out", out, ref_out), ("state", final, ref_state), ("boundary", boundary[:1], ref_boundary),
+                       ("initial boundary", boundary[1:], state[1:])]:
+        err = rel_err(x, r)
+        assert err < 5e-5, f"chunked with the prepare kernel, {name}: rel err {err:.2e}, seed {seed}"
+
+
 @pytest.mark.parametrize("dk,dv,T,blocks", [(64, 64, 131, (0, 3)), (64, 128, 17, (1, 0)), (128, 64, 192, (2, 1)),
                                              (64, 64, 75, (1, 1))])
 def test_chunked_boundary(seed, interpret, dk, dv, T, blocks):
@@ -131,3 +150,60 @@ def test_compensated_cumsum_is_correctly_rounded(seed):
     got = np.asarray(jax.jit(compensated_cumsum)(jnp.asarray(g)), np.float64)
     ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
     assert np.all(np.abs(got - exact) <= 0.5 * ulp), f"seed {seed}: {np.max(np.abs(got - exact) / ulp):.2f} ulp"
+
+
+@pytest.mark.parametrize("order", ["grouped", "tiled"])
+@pytest.mark.parametrize("dk,dv,T", [(64, 32, 100), (32, 64, 64), (128, 128, 17)])
+def test_chunk_prepare_matches_chunk_inputs(seed, interpret, order, dk, dv, T):
+    """The per-chunk kernel returns what the XLA chunk_inputs returns, for 2 key heads shared by 6 value heads."""
+    from luxjax.ops.delta_rule import chunk_inputs
+
+    rng = np.random.default_rng(seed)
+    q, k, v, g, beta, _ = _inputs(rng, 2, 6, T, dk, dv, valid=[T, max(T - 9, 1)])
+    q, k = q[:, :2], k[:, :2]
+    got = gd.gated_delta_chunk_prepare(q, k, v, g, beta, head_order=order, interpret=interpret)
+    ref = chunk_inputs(q, k, v, g, beta, 64, order)
+    names = ("new_values", "k_cumdecay", "q_decayed", "k_decayed", "intra", "chunk_decay")
+    for name, x, r in zip(names, got, ref, strict=True):
+        assert x.shape == r.shape, f"{name}: shape {x.shape} vs {r.shape}"
+        err = rel_err(x, r)
+        assert err < 1e-5, f"prepare {name}, {order}, {dk=} {dv=} {T=}: rel err {err:.2e}, seed {seed}"
+
+
+def _ut_solution_float64(k, v, g, beta, chunk=64):
+    """new_values and k_cumdecay of chunk_inputs by float64 numpy: cumulative decays, the UT system and a linear
+    solve (no inverse, no block doubling), from the float32 inputs."""
+    k, v, g, beta = (np.asarray(x, np.float64) for x in (k, v, g, beta))
+    B, H, T, _ = v.shape
+    n = T // chunk
+    k, v = (x.reshape(B, H, n, chunk, -1) for x in (k, v))
+    g, beta = (x.reshape(B, H, n, chunk) for x in (g, beta))
+    cum = np.cumsum(g, axis=-1)
+    decay = np.exp(np.tril(cum[..., :, None] - cum[..., None, :]))
+    system = np.eye(chunk) + np.tril(beta[..., :, None] * (k @ np.swapaxes(k, -1, -2)) * decay, -1)
+    rhs = np.concatenate([v * beta[..., None], k * (beta * np.exp(cum))[..., None]], axis=-1)
+    solved = np.linalg.solve(system, rhs)
+    return solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+
+
+def test_chunk_prepare_ill_conditioned_inverse(seed, interpret):
+    """Keys nearly parallel, beta near 1 and almost no decay: the UT system's inverse has entries far from 1, the
+    case where a power series would blow up. The kernel's solution is within a small multiple of the XLA block
+    recursion's error from a float64 solve."""
+    from luxjax.ops.delta_rule import chunk_inputs
+
+    rng = np.random.default_rng(seed)
+    B, H, T, dk, dv = 1, 2, 128, 64, 64
+    base = rng.standard_normal((B, H, 1, dk))
+    k = base + 0.05 * rng.standard_normal((B, H, T, dk))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.float32)
+    q = k * dk**-0.5
+    v = jnp.asarray(rng.standard_normal((B, H, T, dv)), jnp.float32)
+    g = jnp.asarray(-1e-3 * rng.random((B, H, T)), jnp.float32)
+    beta = jnp.asarray(0.95 + 0.05 * rng.random((B, H, T)), jnp.float32)
+    truth = _ut_solution_float64(k, v, g, beta)
+    got = gd.gated_delta_chunk_prepare(q, k, v, g, beta, interpret=interpret)[:2]
+    xla = chunk_inputs(q, k, v, g, beta)[:2]
+    for name, x, r, t in zip(("new_values", "k_cumdecay"), got, xla, truth):
+        err, xla_err = rel_err(x, t), rel_err(r, t)
+        assert err < max(4 * xla_err, 1e-5), f"{name}: kernel {err:.2e} vs XLA {xla_err:.2e} from float64, seed {seed}"

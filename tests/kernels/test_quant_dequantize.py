@@ -1,7 +1,8 @@
 """The dequantize kernel (pallas_kernels/quant_dequantize.py) against gguf's numpy dequantizers.
 
-Random block bytes as in test_quant_matmul. The kernel writes W's columns in the decoders' order; x_in_kernel_order
-says which, and the product through both must equal x @ W.T. On CPU the kernel runs interpreted, compiled on a GPU.
+Random block bytes as in test_quant_matmul. The kernel writes W's columns in the decoders' order (x_in_kernel_order
+says which) or in W's own (natural_order), and the product through either must equal x @ W.T. On CPU the kernel runs
+interpreted, compiled on a GPU.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from test_quant_matmul import TYPES, check, random_weight
 REL_TOL = {jnp.float32: 2.0**-23, jnp.bfloat16: 2.0**-8 + 2.0**-23, jnp.float16: 2.0**-11 + 2.0**-23}
 
 
-def column_order(ggml_type, k: int) -> np.ndarray:
+def column_order(ggml_type, k: int, natural_order: bool = False) -> np.ndarray:
     """Which column of W each column of the kernel's output holds (x_in_kernel_order applied to 0..k-1)."""
+    if natural_order:
+        return np.arange(k)
     order = np.asarray(qd.x_in_kernel_order(jnp.arange(k, dtype=jnp.float32)[None], ggml_type))[0].astype(np.int64)
     assert np.array_equal(np.sort(order), np.arange(k)), "x_in_kernel_order must permute the columns"
     return order
@@ -40,17 +43,19 @@ def assert_values(got, dense: np.ndarray, dtype, msg: str):
     assert np.all(err <= bound), f"{msg}: at {worst} got {got[worst]!r}, want {dense[worst]!r}"
 
 
+@pytest.mark.parametrize("natural_order", [False, True], ids=["kernel_order", "natural_order"])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("out,k,dtype", [(67, 512, jnp.float32), (48, 1024, jnp.bfloat16), (16, 256, jnp.float16)],
                          ids=lambda v: getattr(v, "__name__", str(v)))
-def test_kernel_decodes_every_weight(ggml_type, out, k, dtype, seed):
-    """Each value of the kernel's dense W is gguf's value of the column x_in_kernel_order names (odd row counts pad
-    the row tile)."""
+def test_kernel_decodes_every_weight(ggml_type, out, k, dtype, natural_order, seed):
+    """Each value of the kernel's dense W is gguf's value of the column x_in_kernel_order names, or of its own column
+    in natural order (odd row counts pad the row tile)."""
     rng = np.random.default_rng(seed)
     w, dense = random_weight(rng, ggml_type, out, k)
-    got = qd.dequantize_in_kernel_order(w, dtype=dtype, interpret=backend.interpret())
+    got = qd.dequantize_in_kernel_order(w, dtype=dtype, natural_order=natural_order, interpret=backend.interpret())
     assert got.dtype == dtype
-    assert_values(got, dense[:, column_order(ggml_type, k)], dtype, f"{ggml_type.name} [{out},{k}] seed {seed}")
+    assert_values(got, dense[:, column_order(ggml_type, k, natural_order)], dtype,
+                  f"{ggml_type.name} [{out},{k}] {natural_order=} seed {seed}")
 
 
 @pytest.mark.parametrize("ggml_type", [T.IQ4_XS, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
@@ -61,21 +66,23 @@ def test_stacked_weight_reads_the_chosen_layer(ggml_type, seed):
     pairs = [random_weight(rng, ggml_type, out, k) for _ in range(layers)]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in pairs])
     layer = int(rng.integers(0, layers))
-    order = column_order(ggml_type, k)
-    for bs in (None, qd.BlockSizes(8, 4, 4)):
-        got = qd.dequantize_in_kernel_order(stacked, jnp.int32(layer), dtype=jnp.float32, block_sizes=bs,
-                                            interpret=backend.interpret())
-        assert_values(got, pairs[layer][1][:, order], jnp.float32, f"{ggml_type.name} layer {layer} {bs} seed {seed}")
+    for bs, natural in ((None, False), (qd.BlockSizes(8, 4, 4), False), (None, True)):
+        got = qd.dequantize_in_kernel_order(stacked, jnp.int32(layer), dtype=jnp.float32, natural_order=natural,
+                                            block_sizes=bs, interpret=backend.interpret())
+        assert_values(got, pairs[layer][1][:, column_order(ggml_type, k, natural)], jnp.float32,
+                      f"{ggml_type.name} layer {layer} {bs} {natural=} seed {seed}")
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("natural_order", [False, True], ids=["kernel_order", "natural_order"])
+@pytest.mark.parametrize("ggml_type", [T.Q6_K, T.IQ4_XS, T.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_dequantized_matmul_is_x_times_w(ggml_type, dtype, seed):
-    """x (with leading axes) through x_in_kernel_order times the kernel's W: x @ W.T within the dtype's rounding."""
+def test_dequantized_matmul_is_x_times_w(ggml_type, dtype, natural_order, seed):
+    """x (with leading axes) through x_in_kernel_order times the kernel's W, or x itself times W in natural order:
+    x @ W.T within the dtype's rounding."""
     rng = np.random.default_rng(seed)
     w, dense = random_weight(rng, ggml_type, 40, 768)
     x = jnp.asarray(rng.standard_normal((3, 11, 768)), dtype)
-    got = qd.dequantized_matmul(x, w, interpret=backend.interpret())
+    got = qd.dequantized_matmul(x, w, natural_order=natural_order, interpret=backend.interpret())
     assert got.shape == (3, 11, 40) and got.dtype == dtype
     check(got.reshape(33, 40), x.reshape(33, 768), dense, dtype, f"{ggml_type.name} seed {seed}")
 

@@ -61,7 +61,7 @@ def _free_axes_in_order(x_perm: tuple[int, ...], fixed: int) -> bool:
 
 
 def _kernel(*refs, names, stacked, pieces, x_perm, use_byte_perm, interpret):
-    # [layer], constants, planes [(L,) rows, blocks, *plane] whole, o [BN, KB, *permuted block]
+    # [layer], constants, planes [(L,) rows, blocks, *plane] whole, o [BN, KB, *block: natural or permuted]
     refs = list(refs)
     layer_ref = refs.pop(0) if stacked else None
     const_ref, o_ref, plane_refs = refs[0], refs[-1], refs[1:-1]

@@ -25,11 +25,6 @@ CASES = [(1, 67, 512, jnp.float32), (2, 48, 2048, jnp.bfloat16), (3, 64, 768, jn
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # of sum |x||w|: float32 accumulation / bf16 rounding of W and y
 
 
-@pytest.fixture
-def seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
-
-
 def random_weight(rng, ggml_type, out: int, k: int) -> tuple[QuantizedTensor, np.ndarray]:
     """Random blocks whose f16 scales are finite, of either sign, magnitude about 2^-8..2^4; and W in float64."""
     block, type_size = GGML_QUANT_SIZES[ggml_type]

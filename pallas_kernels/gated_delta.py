@@ -207,21 +207,14 @@ def gated_delta_chunk_prepare(q, k, v, g, beta, *, chunk: int = 64, head_order: 
     """luxjax.ops.delta_rule.chunk_inputs (same arguments and results) with its per-chunk products in one kernel;
     the decays' running sums (compensated, see delta_rule.compensated_cumsum) are taken in XLA first. `precision`:
     the tiles' dot precision (default: TF32x3 compiled, HIGHEST interpreted)."""
-    from luxjax.ops.delta_rule import HEAD_ORDERS, compensated_cumsum
+    from luxjax.ops.delta_rule import compensated_cumsum, padded_to_chunks
 
-    if head_order not in HEAD_ORDERS:
-        raise ValueError(f"head_order {head_order!r}; expected one of {HEAD_ORDERS}")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk {chunk} must be a power of two >= 16")
-    B, k_heads, T, dk = q.shape
+    q, k, v, g, beta = padded_to_chunks(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), chunk, head_order)
+    B, k_heads, Tp, dk = q.shape
     H, dv = v.shape[1], v.shape[-1]
-    if H % k_heads:
-        raise ValueError(f"{H} value heads do not share {k_heads} key heads evenly")
-    pad = (-T) % chunk
-    n = (T + pad) // chunk
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    q, k, v = (jnp.pad(f32(x), ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
-    g, beta = (jnp.pad(f32(x), ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+    n = Tp // chunk
     cum = compensated_cumsum(g.reshape(B, H, n, chunk))
     if precision is None:
         precision = _precision(BlockSizes(), interpret)

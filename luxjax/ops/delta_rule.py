@@ -111,23 +111,28 @@ def expand_key_heads(x, v_heads: int, head_order: str = "grouped"):
     return jnp.repeat(x, r, axis=1)
 
 
+def padded_to_chunks(q, k, v, g, beta, chunk: int, head_order: str):
+    """The chunked form's arguments checked (head_order; value heads sharing the key heads evenly) and padded along T
+    to a multiple of `chunk` (padding carries beta = g = 0, so it leaves the state alone)."""
+    if head_order not in HEAD_ORDERS:
+        raise ValueError(f"head_order {head_order!r}; expected one of {HEAD_ORDERS}")
+    if v.shape[1] % q.shape[1]:
+        raise ValueError(f"{v.shape[1]} value heads do not share {q.shape[1]} key heads evenly")
+    pad = (-q.shape[2]) % chunk
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+    return q, k, v, g, beta
+
+
 def chunk_inputs(q, k, v, g, beta, chunk: int = 64, head_order: str = "grouped"):
     """The parallel part of the chunked (UT-transform) form: everything except the scan over chunks.
     Returns (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay), each [B, H, n, ...] per value head.
     q and k may have fewer heads (key heads, see the module doc): their chunk products k k^T and q k^T are then
     taken once per key head, and the value heads' factors (beta, decays) applied after."""
-    if head_order not in HEAD_ORDERS:
-        raise ValueError(f"head_order {head_order!r}; expected one of {HEAD_ORDERS}")
-    T = q.shape[2]
-    pad = (-T) % chunk
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
-        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
-    B, k_heads, Tp, dk = q.shape
+    q, k, v, g, beta = padded_to_chunks(q, k, v, g, beta, chunk, head_order)
     H, dv = v.shape[1], v.shape[-1]
-    if H % k_heads:
-        raise ValueError(f"{H} value heads do not share {k_heads} key heads evenly")
-    n = Tp // chunk
+    n = q.shape[2] // chunk
 
     def chunked(x):
         return x.reshape(x.shape[0], x.shape[1], n, chunk, *x.shape[3:])

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_model import build_torch_model, image_prompt_ids, random_image  # noqa: E402
 from benchmarks.model_configs import CONFIGS  # noqa: E402
 from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
-from benchmarks.timing import gpu_kernel_times  # noqa: E402
+from benchmarks.timing import gpu_idle_us, gpu_kernel_times  # noqa: E402
 
 
 def profile_phase(name: str, fn, calls: int) -> dict:
@@ -39,14 +39,16 @@ def profile_phase(name: str, fn, calls: int) -> dict:
             for _ in range(calls):
                 fn()
         kernels = gpu_kernel_times(d)
+        idle_us, idle_gaps = gpu_idle_us(d, calls) if kernels else (0.0, 0)
     per_call = {k: (n / calls, us / calls) for k, (n, us) in kernels.items()}
     gpu_ms = sum(us for _, us in per_call.values()) / 1e3
     top = sorted(per_call.items(), key=lambda kv: -kv[1][1])
-    print(f"\n## {name}: wall {1e3 * wall:.2f} ms per call, GPU kernels {gpu_ms:.2f} ms per call")
+    print(f"\n## {name}: wall {1e3 * wall:.2f} ms per call, GPU kernels {gpu_ms:.2f} ms per call, GPU idle in gaps "
+          f"> 20 us {idle_us / 1e3 / calls:.2f} ms per call ({idle_gaps / calls:.0f} gaps)")
     print("| kernel | launches | ms | share |\n|---|---|---|---|")
     for k, (n, us) in top[:25]:
         print(f"| {k[:90]} | {n:.0f} | {us / 1e3:.3f} | {100 * us / 1e3 / max(gpu_ms, 1e-9):.1f}% |")
-    return {"wall_ms": 1e3 * wall, "gpu_ms": gpu_ms,
+    return {"wall_ms": 1e3 * wall, "gpu_ms": gpu_ms, "gpu_idle_ms": idle_us / 1e3 / calls,
             "kernels": [{"name": k, "launches": n, "ms": us / 1e3} for k, (n, us) in top[:80]]}
 
 

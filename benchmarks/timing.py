@@ -24,9 +24,9 @@ def median_ms(fn, *args, repeats: int = 15, warmups: int = 1) -> float:
     return 1e3 * float(np.median(times))
 
 
-def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
-    """(kernel name, µs) of each kernel on the GPU streams of the perfetto trace jax.profiler wrote; [] when the trace
-    has no GPU (a CPU run)."""
+def _gpu_kernel_spans(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, duration µs) of each kernel on the GPU streams of the perfetto trace jax.profiler
+    wrote; [] when the trace has no GPU (a CPU run)."""
     path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
     events = json.loads(gzip.decompress(path.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -36,8 +36,27 @@ def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
                if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu_pids}
     # A GPU's trace has a line per stream (the kernels) beside lines of XLA ops and modules spanning them.
     streams = {key for key, name in threads.items() if name.lower().startswith("stream")}
-    return [(e["name"], float(e.get("dur", 0.0))) for e in events
+    return [(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+
+
+def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
+    """(kernel name, µs) of each kernel on the GPU streams of the trace (see _gpu_kernel_spans)."""
+    return [(name, dur) for name, _, dur in _gpu_kernel_spans(trace_dir)]
+
+
+def gpu_idle_us(trace_dir: str, calls: int, gap_us: float = 20.0) -> tuple[float, int]:
+    """(µs, count) of the gaps longer than gap_us between consecutive GPU kernels of a trace of `calls` calls,
+    leaving out the calls - 1 longest (the host between calls): the time a call's GPU waited on its host (launches,
+    a loop's per-iteration synchronisation) rather than on its kernels."""
+    spans = sorted((start, start + dur) for _, start, dur in _gpu_kernel_spans(trace_dir))
+    gaps, end = [], None
+    for start, stop in spans:
+        if end is not None and start - end > gap_us:
+            gaps.append(start - end)
+        end = stop if end is None else max(end, stop)
+    gaps = sorted(gaps)[: max(len(gaps) - (calls - 1), 0)]
+    return float(sum(gaps)), len(gaps)
 
 
 def gpu_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:

@@ -35,6 +35,9 @@ from qwen35_model_helpers import (EOS, FIXTURE_HF, IM_START, IMAGE_PAD, NORMAL_T
 # on the call's shapes (six seeds).
 CHUNKED_TOL = 1e-5
 FLOAT32_SHARE = 0.5
+# block-aligned vs general prefill: the same float32 operations on buffers of other lengths (XLA:CPU's summation
+# order may follow the shapes: up to 5.5e-5 seen between chunkings); bookkeeping errors show as 1 and more
+ALIGNED_TOL = 2e-4
 DECODE_TOL = 1e-3  # logits after decode steps (recurrent form) vs one-pass prefill: the transformers parity bound
 DECODE_STATE_TOL = 5e-4  # caches after decode steps and a prefill
 PROMPT_SEED_OFFSET = 104729  # the prompt's seed from the session seed
@@ -155,6 +158,31 @@ def test_chunked_prefill_matches_one_pass(fixture_model_f32, prompt_and_one_pass
     assert next_diff <= tol, f"{where}: decode after chunked prefill differs by {next_diff:.3g} > {tol:.3g}"
     print(f"{where}: logits {diff:.3g}, caches {cache_diff:.3g}, next-token logits after decode {next_diff:.3g}; "
           + float64_distances(c_logits, logits, truth))
+
+
+def test_block_aligned_prefill_matches_general(fixture_model_f32, session_seed):
+    """A chunk starting at a multiple of 64 tokens may skip the room kept for pending DeltaNet rows (one block of
+    work fewer; the engine's default there): chunks [0, 64) and [64, total) give the same logits and caches with
+    and without it."""
+    from luxjax.engine.generate import cache_length
+
+    rng = np.random.default_rng((session_seed + PROMPT_SEED_OFFSET + 1) % 2**31)
+    total = int(rng.integers(80, 127))
+    ids = rng.integers(0, NORMAL_TOKENS, size=total).tolist()
+    backend = fixture_model_f32.backend
+    prompt = backend.prompt_from_ids(ids, None)
+    runs = {}
+    for aligned in (False, True):
+        caches = backend.init_cache(1, cache_length(total, 12, backend.max_context))
+        head, caches = backend.prefill(caches, 0, prompt, None, 0, 64, all_logits=True, block_aligned=aligned)
+        tail, caches = backend.prefill(caches, 0, prompt, None, 64, total, all_logits=True, block_aligned=aligned)
+        logits = np.concatenate([np.asarray(head, np.float32)[:64], np.asarray(tail, np.float32)[: total - 64]])
+        runs[aligned] = logits, snapshot(caches)
+    where = f"LUXJAX_TEST_SEED={session_seed}: {total} tokens in chunks of 64 and {total - 64}"
+    diff = max_abs(runs[True][0], runs[False][0])
+    assert diff <= ALIGNED_TOL, f"{where}: block-aligned logits differ by {diff:.3g}"
+    cache_diff = compare_caches(runs[True][1], runs[False][1], total, where, ALIGNED_TOL)
+    print(f"{where}: block-aligned vs general: logits {diff:.3g}, caches {cache_diff:.3g}")
 
 
 def test_recurrent_decode_matches_prefill(fixture_model_f32):

@@ -8,7 +8,7 @@ from flax import nnx
 
 from luxjax.contract import Prompt
 from luxjax.errors import RequestError
-from luxjax.models.qwen35 import model as qwen
+from luxjax.models.qwen35 import deltanet, model as qwen
 from luxjax.models.qwen35.config import ModelConfig
 from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
 from luxjax.models.qwen35.prompt import IMAGE_MARKERS, build_prompt, prompt_from_ids
@@ -119,8 +119,10 @@ class Qwen35Backend:
     def _decoder(self):
         return nnx.merge(self.graphdef, self.state).text
 
-    def prefill(self, caches, slot: int, prompt: Prompt, image_rows, begin: int, end: int, *, all_logits=False):
-        """Prompt tokens [begin, end) of the sequence in `slot` (begin tokens already cached)."""
+    def prefill(self, caches, slot: int, prompt: Prompt, image_rows, begin: int, end: int, *, all_logits=False,
+                block_aligned: bool | None = None):
+        """Prompt tokens [begin, end) of the sequence in `slot` (begin tokens already cached). block_aligned: see
+        model.prefill; None (the engine's way) sets it where begin is a multiple of the DeltaNet block."""
         n = end - begin
         size = bucket(n)
         ids = np.zeros(size, np.int32)
@@ -137,7 +139,8 @@ class Qwen35Backend:
         # host arrays go to the jitted call as they are: it transfers them together, faster than one by one
         return qwen.prefill(self.jit_graphdef, self.state, caches, np.int32(slot), ids,
                             image_rows if prompt.image_spans else None, image_index, positions, np.int32(begin),
-                            np.int32(n), dtype=self.dtype, all_logits=all_logits)
+                            np.int32(n), dtype=self.dtype, all_logits=all_logits,
+                            block_aligned=begin % deltanet.BLOCK == 0 if block_aligned is None else block_aligned)
 
     def decode(self, caches, token_ids, cached, rope_deltas, active=None):
         pos = np.asarray(cached, np.int32) + np.asarray(rope_deltas, np.int32)

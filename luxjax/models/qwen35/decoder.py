@@ -45,13 +45,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(w("post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.mlp = MLP(_Scoped(w, "mlp."))
 
-    def __call__(self, x, cache, *, cos, sin, start, valid, chunked, dtype):
+    def __call__(self, x, cache, *, cos, sin, start, valid, chunked, dtype, block_aligned=False):
         """x: the float32 residual stream; attention and MLP compute in `dtype`, DeltaNet on float32 activations."""
         h = self.input_layernorm(x)
         if self.is_attention:
             h, cache = self.mixer(h.astype(dtype), cos, sin, cache, start, valid)
         else:
-            h, cache = self.mixer(h, cache, start, valid, chunked=chunked, dtype=dtype)
+            h, cache = self.mixer(h, cache, start, valid, chunked=chunked, dtype=dtype, block_aligned=block_aligned)
         x = x + h.astype(jnp.float32)
         return x + self.mlp(self.post_attention_layernorm(x).astype(dtype)).astype(jnp.float32), cache
 
@@ -80,6 +80,20 @@ _IN_PLACE_FILTERS = {"none": None, "packed": _is_packed_matrix, "all": MatrixPar
 def _layer_slices(matrices, index):
     """Every stacked matrix of a layer state as a LayerSlice at `index` (packed tensors as a whole)."""
     return jax.tree.map(lambda w: LayerSlice(w, index), matrices, is_leaf=lambda a: isinstance(a, QuantizedTensor))
+
+
+def _cache_at(stacked, index):
+    """One layer's cache from caches stacked over a scan's steps."""
+    return jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, index, 0, keepdims=False), stacked)
+
+
+def _put_cache_at(stacked, cache, index):
+    """The stacked caches with layer `index` replaced. The caches ride in the scan's carry and are written back
+    slice by slice, in place in the (donated) buffers. As the scan's xs and ys XLA built new stacked buffers on
+    every call (broadcasts, then copies out of the loop): H200 profile of an IQ4_XS 27B decode step, 13.8 -> 13.4
+    ms of kernels, the prefill's scan slightly faster too."""
+    return jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), index, 0),
+                        stacked, cache)
 
 
 def _stack(trees):
@@ -159,11 +173,13 @@ class TextDecoder(nnx.Module):
     def embed(self, ids, dtype):
         return self.embed_tokens(ids, dtype)
 
-    def __call__(self, x, positions, start, valid, caches, *, chunked: bool, weights_in_place: InPlace = "none"):
+    def __call__(self, x, positions, start, valid, caches, *, chunked: bool, weights_in_place: InPlace = "none",
+                 block_aligned: bool = False):
         """x [B, T, hidden] input embeddings in the compute dtype; positions int32 [3, B, T]; start [B] cached tokens
         per sequence; valid [B, T] bool prefix mask. Returns (final-norm hidden [B, T, hidden], new caches).
         The residual stream stays float32 between layers (bf16 mode rounds only inside the blocks).
-        weights_in_place: see _scan_segment (inference; training differentiates through the plain slices)."""
+        weights_in_place: see _scan_segment (inference; training differentiates through the plain slices).
+        block_aligned: every start is a multiple of the DeltaNet block (see GatedDeltaNet.__call__)."""
         inv_freq = inverse_frequencies(self.cfg.rotary_dim, self.cfg.rope_theta)
         axes = interleaved_mrope_axes(self.cfg.rotary_dim, self.cfg.mrope_section)
         cos, sin = mrope_cos_sin(positions, inv_freq, axes)
@@ -172,7 +188,8 @@ class TextDecoder(nnx.Module):
         x = x.astype(jnp.float32)
         for s, segment in enumerate(self.stacks):
             x, caches[s] = self._scan_segment(segment, x, caches[s], weights_in_place=weights_in_place, cos=cos,
-                                              sin=sin, start=start, valid=valid, chunked=chunked, dtype=dtype)
+                                              sin=sin, start=start, valid=valid, chunked=chunked, dtype=dtype,
+                                              block_aligned=block_aligned)
         return self.norm(x).astype(dtype), caches
 
     @staticmethod
@@ -189,17 +206,19 @@ class TextDecoder(nnx.Module):
         matrices = [parts[1] for parts in split] if in_place else None
         scanned = [parts[-1] for parts in split]
 
-        def body(h, xs):
-            index, layer_states, layer_caches = xs
+        def body(carry, xs):
+            h, stacked_caches = carry
+            index, layer_states = xs
             new_caches = []
-            for j, (graphdef, state, cache) in enumerate(zip(graphdefs, layer_states, layer_caches)):
+            for j, (graphdef, state, stacked) in enumerate(zip(graphdefs, layer_states, stacked_caches)):
                 states = (state,) if matrices is None else (_layer_slices(matrices[j], index), state)
-                h, cache = nnx.merge(graphdef, *states)(h, cache, **kw)
-                new_caches.append(cache)
-            return h, new_caches
+                h, cache = nnx.merge(graphdef, *states)(h, _cache_at(stacked, index), **kw)
+                new_caches.append(_put_cache_at(stacked, cache, index))
+            return (h, new_caches), None
 
         repeats = jax.tree.leaves(caches)[0].shape[0]
-        return jax.lax.scan(body, x, (jnp.arange(repeats), scanned, caches))
+        (x, caches), _ = jax.lax.scan(body, (x, caches), (jnp.arange(repeats), scanned))
+        return x, caches
 
     def logits(self, h, *, as_layer_slice: bool = False):
         """float32 logits straight from the float32 accumulator (bf16-rounded logits would tie near the top);

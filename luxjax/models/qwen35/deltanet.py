@@ -64,7 +64,8 @@ def unpack(rows, shapes: DeltaInputs) -> DeltaInputs:
 
 class DeltaNetCache(NamedTuple):
     conv: jax.Array  # [B, kernel-1, conv_dim] float32: the last inputs of the causal conv
-    state: jax.Array  # [B, v_heads, k_dim, v_dim] float32: after every cached token (decode steps from it)
+    # The delta rule's state [B, v_heads, k_dim, v_dim] kept value-major, [B, v_heads, v_dim, k_dim] (as_cached):
+    state: jax.Array  # float32, after every cached token (decode steps from it)
     boundary: jax.Array  # like state: after the cached tokens up to the last multiple of BLOCK
     pending: jax.Array  # [B, BLOCK, width] float32: DeltaInputs.packed of the tokens since, rows < start % BLOCK
 
@@ -109,21 +110,24 @@ class GatedDeltaNet(nnx.Module):
         rule shares each among its value heads in self.head_order)."""
         return tuple(jnp.swapaxes(x, 1, 2) for x in tokens)
 
-    def _prefill_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid_len):
+    def _prefill_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid_len, block_aligned: bool):
         """Chunked form from `boundary` over [pending tokens; this chunk]: its blocks start at multiples of BLOCK
         from token 0 whatever the chunking, so every block sees the inputs it sees in a one-pass prefill and the
         float32 results do not depend on the chunk size. Returns (out [B, T, v_heads, v_dim], new cache fields)."""
         T = tokens.q.shape[1]
         offset = start % BLOCK  # = the pending rows
-        buffer_rows = -(-(BLOCK + T) // BLOCK) * BLOCK  # room for the block holding the last token, whole
+        # room for up to BLOCK - 1 pending rows and the block holding the last token, whole; with no pending rows
+        # (block_aligned) a 1,024-token chunk takes 16 blocks, not 17
+        pending_room = 0 if block_aligned else BLOCK
+        buffer_rows = -(-(pending_room + T) // BLOCK) * BLOCK
         buffer = place_after_pending(cache.pending, tokens.packed(), offset, buffer_rows)
         filled = offset + valid_len
         shapes = input_shapes(self.k_heads, self.k_dim, self.v_heads, self.v_dim)
-        out, state, boundary = gated_delta_rule(*self._heads_major(unpack(buffer, shapes)), cache.boundary,
-                                                chunked=True, boundary_block=filled // BLOCK,
-                                                head_order=self.head_order)
+        inputs = self._heads_major(unpack(buffer, shapes))
+        out, state, boundary = gated_delta_rule(*inputs, as_cached(cache.boundary), chunked=True,
+                                                boundary_block=filled // BLOCK, head_order=self.head_order)
         out = take_rows(jnp.swapaxes(out, 1, 2), offset, T)
-        return out, (state, boundary, last_block_rows(buffer, filled))
+        return out, (as_cached(state), as_cached(boundary), last_block_rows(buffer, filled))
 
     def _decode_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid):
         """Recurrent form from `state` for one token; its inputs join the pending rows, and when they complete a
@@ -131,18 +135,20 @@ class GatedDeltaNet(nnx.Module):
         rows < start % BLOCK). Idle rows (valid False) keep every field."""
         if tokens.q.shape[1] != 1:
             raise ValueError(f"the recurrent (decode) form takes one token per sequence, got {tokens.q.shape[1]}")
-        out, state = gated_delta_rule(*self._heads_major(tokens), cache.state, chunked=False,
+        out, state = gated_delta_rule(*self._heads_major(tokens), as_cached(cache.state), chunked=False,
                                       head_order=self.head_order)
+        state = as_cached(state)
         active, row = valid[:, 0], start % BLOCK
         pending = write_row(cache.pending, tokens.packed(), row, active)
         boundary = select_rows(active & (row == BLOCK - 1), state, cache.boundary)
         return jnp.swapaxes(out, 1, 2), (state, boundary, pending)
 
-    def __call__(self, x, cache: DeltaNetCache, start, valid, *, chunked: bool, dtype
+    def __call__(self, x, cache: DeltaNetCache, start, valid, *, chunked: bool, dtype, block_aligned: bool = False
                  ) -> tuple[jax.Array, DeltaNetCache]:
         """x [B, T, hidden] float32; start [B] tokens already cached; valid [B, T] bool (a prefix of each row):
         padded tokens leave the state unchanged. `dtype`: the compute mode (bfloat16: projections through
-        split_linear). Returns float32."""
+        split_linear). block_aligned (chunked form): the caller knows every start is a multiple of BLOCK (no
+        pending rows), so the chunked form runs one block fewer; a wrong claim gives wrong results."""
         B, T, _ = x.shape
         x = x.astype(jnp.float32)
         project = linear_many if dtype == jnp.float32 else split_linear_many
@@ -167,7 +173,7 @@ class GatedDeltaNet(nnx.Module):
         v = jnp.where(valid[..., None, None], v.astype(jnp.float32), 0.0)
         tokens = DeltaInputs(q, k, v, g, beta)
         if chunked:
-            out, (state, boundary, pending) = self._prefill_rule(tokens, cache, start, valid_len)
+            out, (state, boundary, pending) = self._prefill_rule(tokens, cache, start, valid_len, block_aligned)
         else:
             out, (state, boundary, pending) = self._decode_rule(tokens, cache, start, valid)
         out = self.norm(out.astype(x.dtype), z).reshape(B, T, self.v_heads * self.v_dim)
@@ -201,10 +207,12 @@ def first_rows(x, count):
 
 
 def write_row(rows, token, row, active):
-    """rows [B, BLOCK, width] with token [B, 1, width] written at row `row` [B] of the active sequences (the others'
-    writes aim past the end and are dropped)."""
+    """rows [B, BLOCK, width] with token [B, 1, width] written at row `row` [B] of the active sequences (idle ones'
+    target a row past the end: none written). A select rather than a scatter, so XLA can fuse it with the write of
+    the layer's slice back into the stacked cache."""
     target = jnp.where(active, row, rows.shape[1])
-    return rows.at[jnp.arange(rows.shape[0]), target].set(token[:, 0], mode="drop")
+    at = jnp.arange(rows.shape[1])[None, :, None] == target[:, None, None]
+    return jnp.where(at, token.astype(rows.dtype), rows)
 
 
 def select_rows(pick, x, y):
@@ -212,10 +220,19 @@ def select_rows(pick, x, y):
     return jnp.where(pick.reshape(pick.shape + (1,) * (x.ndim - 1)), x, y)
 
 
+def as_cached(state):
+    """The delta rule's state [..., k_dim, v_dim] as DeltaNetCache keeps it, [..., v_dim, k_dim], and back (its own
+    inverse). Value-major because the decode step's products sum over k_dim: XLA:GPU wants that axis minor and, with
+    the state cached key-major, transposed the whole stacked state and boundary on the way in and out of every
+    decode step (H200, IQ4_XS 27B: ~0.33 of 13.6 ms of kernels per step). The chunked form's kernel takes the
+    state key-major, so prefill transposes its layer's slices instead."""
+    return jnp.swapaxes(state, -1, -2)
+
+
 def empty_deltanet_cache(cfg: TextConfig, batch: int) -> DeltaNetCache:
     k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     k_dim, v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    state = jnp.zeros((batch, v_heads, k_dim, v_dim), jnp.float32)
+    state = jnp.zeros((batch, v_heads, v_dim, k_dim), jnp.float32)
     width = sum(math.prod(s) for s in input_shapes(k_heads, k_dim, v_heads, v_dim))
     return DeltaNetCache(
         conv=jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), jnp.float32),

@@ -64,15 +64,17 @@ def encode_images(graphdef, state, patches, grid, table=None, *, repeat: int = 1
     return _merge(graphdef, state).vision.encode(patches, grid)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "all_logits", "dtype"), donate_argnames=("caches",),
+@partial(jax.jit, static_argnames=("graphdef", "all_logits", "dtype", "block_aligned"), donate_argnames=("caches",),
          compiler_options=backend.LAYER_SCAN_GEMM_OPTIONS)
 def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positions, start, valid_len, *,
-            dtype, all_logits: bool = False):
+            dtype, all_logits: bool = False, block_aligned: bool = False):
     """One prompt chunk of one sequence into cache slot `slot`.
 
     ids, image_index int32 [T] (image_index: row of `image_rows` replacing the token's embedding, or -1);
     positions int32 [3, T]; start: tokens already in the slot (0 resets its DeltaNet state);
-    valid_len: real tokens in this (padded) chunk. Returns (logits: last valid token [V], or all [T, V]; caches)."""
+    valid_len: real tokens in this (padded) chunk. block_aligned: start is a multiple of deltanet.BLOCK (the
+    caller knows start; a chunk from token 0 is), which spares the DeltaNet layers a block of work.
+    Returns (logits: last valid token [V], or all [T, V]; caches)."""
     model = _merge(graphdef, state)
     T = ids.shape[0]
     x = model.text.embed(ids, dtype)
@@ -84,6 +86,7 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
     rows = jax.tree.map(lambda c: jnp.where(fresh, jnp.zeros_like(c), c), rows)
     valid = (jnp.arange(T) < valid_len)[None]
     h, rows = model.text(x[None], positions[:, None], start[None], valid, rows, chunked=True,
+                         block_aligned=block_aligned,
                          weights_in_place="packed" if backend.cublas_reads_scanned_slices() else "all")
     caches = _put_slot_rows(caches, rows, slot)
     if all_logits:

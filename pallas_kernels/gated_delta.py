@@ -16,7 +16,8 @@ it the TF32x3 emulation of float32 products (all dots in plain TF32: 182 us; wit
 The scan kernel does the sequential part, the scan over chunks, which XLA runs as one small loop iteration per
 chunk; on the way it writes out the state entering one given chunk of each sequence (the DeltaNet cache's
 state at the last 64-token boundary). Compiled dots use TF32x3 (three TF32 tensor-core products, float32-level
-error) unless BlockSizes.dot_precision = "ieee"; interpreted dots use Precision.HIGHEST like the XLA path.
+error) on CUDA unless BlockSizes.dot_precision = "ieee", plain float32 products on other platforms (ROCm:
+TF32X3_PLATFORMS); interpreted dots use Precision.HIGHEST like the XLA path.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from luxjax.ops import backend
 from pallas_kernels.common import NEG, dot
 
 
@@ -45,8 +47,14 @@ class BlockSizes:
         return cls(block_v=min(64 if recurrent else 32, dv))
 
 
+# Where compiled float32 dots may be TF32x3. Triton's AMD backend lists "ieee" alone among its float32 dot input
+# precisions (HIPOptions.allowed_dot_input_precisions in the versions read), so on ROCm, untried here, the dots
+# stay plain float32 products (full float32 precision, slower).
+TF32X3_PLATFORMS = ("cuda",)
+
+
 def _precision(bs: BlockSizes, interpret: bool):
-    if interpret or bs.dot_precision == "ieee":
+    if interpret or bs.dot_precision == "ieee" or backend.gpu_platform() not in TF32X3_PLATFORMS:
         return jax.lax.Precision.HIGHEST
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 

@@ -207,3 +207,15 @@ def test_chunk_prepare_ill_conditioned_inverse(seed, interpret):
     for name, x, r, t in zip(("new_values", "k_cumdecay"), got, xla, truth):
         err, xla_err = rel_err(x, t), rel_err(r, t)
         assert err < max(4 * xla_err, 1e-5), f"{name}: kernel {err:.2e} vs XLA {xla_err:.2e} from float64, seed {seed}"
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_tf32x3_only_where_triton_takes_it(monkeypatch, platform):
+    """Compiled float32 dots are TF32x3 on CUDA only (Triton's AMD backend takes "ieee" float32 dots alone); an
+    "ieee" request and interpreted kernels always get full float32 products."""
+    monkeypatch.setattr(gd.backend, "gpu_platform", lambda: platform)
+    highest = jax.lax.Precision.HIGHEST
+    expected = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if platform == "cuda" else highest
+    assert gd._precision(gd.BlockSizes(), interpret=False) == expected
+    assert gd._precision(gd.BlockSizes(dot_precision="ieee"), interpret=False) == highest
+    assert gd._precision(gd.BlockSizes(), interpret=True) == highest

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_model import build_torch_model, image_prompt_ids, random_image  # noqa: E402
 from benchmarks.model_configs import CONFIGS  # noqa: E402
 from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
-from benchmarks.timing import gpu_idle_us, gpu_kernel_times  # noqa: E402
+from benchmarks.timing import gpu_idle_us, gpu_kernel_spans, gpu_kernel_times  # noqa: E402
 
 
 def profile_phase(name: str, fn, calls: int) -> dict:
@@ -38,8 +38,9 @@ def profile_phase(name: str, fn, calls: int) -> dict:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(calls):
                 fn()
-        kernels = gpu_kernel_times(d)
-        idle_us, idle_gaps = gpu_idle_us(d, calls) if kernels else (0.0, 0)
+        spans = gpu_kernel_spans(d)  # the trace read once: kernel totals and the idle gaps
+    kernels = gpu_kernel_times(spans)
+    idle_us, idle_gaps = gpu_idle_us(spans, calls)
     per_call = {k: (n / calls, us / calls) for k, (n, us) in kernels.items()}
     gpu_ms = sum(us for _, us in per_call.values()) / 1e3
     top = sorted(per_call.items(), key=lambda kv: -kv[1][1])

@@ -24,7 +24,7 @@ def median_ms(fn, *args, repeats: int = 15, warmups: int = 1) -> float:
     return 1e3 * float(np.median(times))
 
 
-def _gpu_kernel_spans(trace_dir: str) -> list[tuple[str, float, float]]:
+def gpu_kernel_spans(trace_dir: str) -> list[tuple[str, float, float]]:
     """(kernel name, start µs, duration µs) of each kernel on the GPU streams of the perfetto trace jax.profiler
     wrote; [] when the trace has no GPU (a CPU run)."""
     path = next(Path(trace_dir).rglob("perfetto_trace.json.gz"))
@@ -41,17 +41,16 @@ def _gpu_kernel_spans(trace_dir: str) -> list[tuple[str, float, float]]:
 
 
 def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
-    """(kernel name, µs) of each kernel on the GPU streams of the trace (see _gpu_kernel_spans)."""
-    return [(name, dur) for name, _, dur in _gpu_kernel_spans(trace_dir)]
+    """(kernel name, µs) of each kernel on the GPU streams of the trace (see gpu_kernel_spans)."""
+    return [(name, dur) for name, _, dur in gpu_kernel_spans(trace_dir)]
 
 
-def gpu_idle_us(trace_dir: str, calls: int, gap_us: float = 20.0) -> tuple[float, int]:
-    """(µs, count) of the gaps longer than gap_us between consecutive GPU kernels of a trace of `calls` calls,
-    leaving out the calls - 1 longest (the host between calls): the time a call's GPU waited on its host (launches,
-    a loop's per-iteration synchronisation) rather than on its kernels."""
-    spans = sorted((start, start + dur) for _, start, dur in _gpu_kernel_spans(trace_dir))
+def gpu_idle_us(spans, calls: int, gap_us: float = 20.0) -> tuple[float, int]:
+    """(µs, count) of the gaps longer than gap_us between consecutive GPU kernels (gpu_kernel_spans of a trace of
+    `calls` calls), leaving out the calls - 1 longest (the host between calls): the time a call's GPU waited on its
+    host (launches, a loop's per-iteration synchronisation) rather than on its kernels."""
     gaps, end = [], None
-    for start, stop in spans:
+    for start, stop in sorted((start, start + dur) for _, start, dur in spans):
         if end is not None and start - end > gap_us:
             gaps.append(start - end)
         end = stop if end is None else max(end, stop)
@@ -59,10 +58,10 @@ def gpu_idle_us(trace_dir: str, calls: int, gap_us: float = 20.0) -> tuple[float
     return float(sum(gaps)), len(gaps)
 
 
-def gpu_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
-    """{kernel name: (launches, total µs)} over the GPU streams of the trace."""
+def gpu_kernel_times(spans) -> dict[str, tuple[int, float]]:
+    """{kernel name: (launches, total µs)} over gpu_kernel_spans of a trace."""
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for name, us in gpu_kernel_events(trace_dir):
+    for name, _, us in spans:
         totals[name][0] += 1
         totals[name][1] += us
     return {name: (n, us) for name, (n, us) in totals.items()}

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from luxjax.checkpoint.quants import QuantizedTensor
+from luxjax.ops.linear import vendor_matmul
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, in_kernel_order, kernel_magic
 from pallas_kernels.quant_matmul import WHOLE, RowView, blocks_per_step, uses_byte_perm
@@ -186,6 +187,4 @@ def dequantized_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array | None
         natural_order = NATURAL_ORDER[w.ggml_type]
     w_dense = dequantize_in_kernel_order(w, layer, dtype=x.dtype, natural_order=natural_order, interpret=interpret)
     xp = x if natural_order else x_in_kernel_order(x, w.ggml_type)
-    from luxjax.ops.linear import vendor_matmul  # here: luxjax.ops.linear imports this module when called
-
     return vendor_matmul(xp, w_dense, out_dtype or x.dtype)

@@ -34,7 +34,7 @@ from benchmarks.quant_plan import random_packed  # noqa: E402
 from benchmarks.timing import kernel_ms, median_ms  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
 from luxjax.ops.linear import _xla_linear  # noqa: E402
-from pallas_kernels import dense_gemv, quant_matmul as qm  # noqa: E402
+from pallas_kernels import dense_gemv, quant_gemv_int8 as qi, quant_matmul as qm  # noqa: E402
 
 SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120)]  # (out, in)
 FORMATS = ["bf16", "IQ4_XS", "Q4_K", "Q6_K", "Q5_K", "Q8_0"]
@@ -64,6 +64,8 @@ def scan_fn(fmt: str, block_sizes):
     def product(x, w, i):
         if fmt == "bf16":
             return dense_gemv.stacked_gemv(x, w, i, block_sizes=block_sizes, interpret=backend.interpret())
+        if isinstance(block_sizes, qi.BlockSizes):
+            return qi.int8_quant_matmul(x, w, i, block_sizes=block_sizes, interpret=backend.interpret())
         return qm.stacked_quant_matmul(x, w, i, block_sizes=block_sizes, interpret=backend.interpret())
 
     def run(x, w):
@@ -79,8 +81,9 @@ def layer_ms(fmt: str, block_sizes, x, stacked, layers: int, repeats: int = 15) 
     scan's wall ms per layer)."""
     fn = scan_fn(fmt, block_sizes)
     wall = median_ms(fn, x, stacked, repeats=repeats) / layers
-    kernel = kernel_ms(fn, x, stacked, prefix="stacked_gemv" if fmt == "bf16" else "quant_matmul", calls=2,
-                       warmups=0)
+    prefix = ("stacked_gemv" if fmt == "bf16" else "int8_gemv" if isinstance(block_sizes, qi.BlockSizes)
+              else "quant_matmul")
+    kernel = kernel_ms(fn, x, stacked, prefix=prefix, calls=2, warmups=0)
     return (wall if kernel is None else kernel), wall
 
 
@@ -210,6 +213,48 @@ def rows_sweep(formats, deadline: float, key) -> list[dict]:
     return rows
 
 
+INT8_SHAPES = [(17408, 5120), (5120, 17408), (6144, 5120), (1024, 5120)]  # IQ4_XS decode products of the 27B
+INT8_CASES = [(1, jnp.bfloat16), (1, jnp.float32), (2, jnp.float32), (4, jnp.bfloat16)]  # (rows, x dtype)
+
+
+INT8_EXTRA = [qi.BlockSizes(16, 1, 8), qi.BlockSizes(8, 1, 4), qi.BlockSizes(16, 4, 16), qi.BlockSizes(32, 4, 16)]
+
+
+def int8_candidates():
+    return [qi.BlockSizes(bn, kb, warps) for bn, kb, warps in itertools.product((8, 16, 32), (2, 4, 8), (4, 8))]
+
+
+def int8_sweep(deadline: float, key, first_sweep: bool = True) -> list[dict]:
+    """IQ4_XS at 1..4 rows: the int8 GEMV (every tile candidate on the first shape and case, then the best three
+    everywhere) against the float GEMV reduce's default tiles."""
+    rows, ranked = [], []
+    for shape_i, (out, k) in enumerate(INT8_SHAPES):
+        stacked, layers, nbytes = stacked_weight("IQ4_XS", out, k, key)
+        for case_i, (m, dtype) in enumerate(INT8_CASES):
+            x = jax.random.normal(key, (m, k), dtype)
+            first = shape_i == case_i == 0 and first_sweep
+            variants = [("float reduce", qm._stacked_block_sizes(T.IQ4_XS, m, out))]
+            variants += [("int8", bs) for bs in (int8_candidates() if first else dict.fromkeys(
+                [qi.BlockSizes.get_default(m, out), *ranked[:3], *INT8_EXTRA]))]
+            for name, bs in variants:
+                if time.time() > deadline or (name == "int8" and out % bs.block_n):
+                    continue
+                try:
+                    ms, wall = layer_ms("IQ4_XS", bs, x, stacked, layers, repeats=7)
+                except Exception as e:  # noqa: BLE001
+                    print(f"int8 sweep {bs}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                rows.append({"out": out, "in": k, "m": m, "x": jnp.dtype(dtype).name, "kernel": name,
+                             "gb_s": nbytes / ms / 1e6, "scan_gb_s": nbytes / wall / 1e6, "block_sizes": str(bs)})
+                print(json.dumps(rows[-1]), flush=True)
+                if first and name == "int8":
+                    ranked.append(bs)
+            if first:  # fastest first
+                ranked.sort(key=lambda bs: -next(r["gb_s"] for r in rows if r["block_sizes"] == str(bs)))
+        del stacked
+    return rows
+
+
 def read_ceiling_gb_s() -> float:
     """A 2 GiB bf16 array summed: bytes read once per call (the read-only rate a GEMV can approach)."""
     a = jnp.ones((1 << 30,), jnp.bfloat16)
@@ -230,6 +275,9 @@ def main():
                     help="only sweep the dense kernel's tiles and K splits on the 27B decode shapes")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="only time the packed kernel's regimes (GEMV reduce, skinny dot) at 1..16 rows")
+    ap.add_argument("--int8-sweep", action="store_true",
+                    help="only time IQ4_XS's int8 GEMV (tile sweep) against the float GEMV reduce at 1..4 rows")
+    ap.add_argument("--int8-quick", action="store_true", help="--int8-sweep with the default and a few tiles only")
     ap.add_argument("--json")
     args = ap.parse_args()
     start = time.time()
@@ -237,14 +285,18 @@ def main():
     ceiling = copy_ceiling_gb_s()
     read = read_ceiling_gb_s()
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
-    if args.rows_sweep:
-        rows = rows_sweep(args.formats.split(","), start + args.seconds, key)
+    if args.rows_sweep or args.int8_sweep:
+        if args.rows_sweep:
+            rows, labels = rows_sweep(args.formats.split(","), start + args.seconds, key), ("format", "regime")
+        else:
+            rows = int8_sweep(start + args.seconds, key, first_sweep=not args.int8_quick)
+            labels = ("kernel", "block_sizes")
         if args.json:
             Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "read_gb_s": read, "rows": rows}, indent=1))
-        print("\n| weights | out x in | rows | x | regime | GB/s (kernel) | in the scan, wall |")
+        print(f"\n| {labels[0]} | out x in | rows | x | {labels[1]} | GB/s (kernel) | in the scan, wall |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['format']} | {r['out']}x{r['in']} | {r['m']} | {r['x']} | {r['regime']} | {r['gb_s']:.0f} | "
+            print(f"| {r[labels[0]]} | {r['out']}x{r['in']} | {r['m']} | {r['x']} | {r[labels[1]]} | {r['gb_s']:.0f} | "
                   f"{r['scan_gb_s']:.0f} |")
         return
     if args.dense_sweep:

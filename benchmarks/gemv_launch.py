@@ -3,6 +3,7 @@
     ncu --clock-control none -c 1 -k regex:quant_matmul --section SpeedOfLight --section InstructionStats \
         python benchmarks/gemv_launch.py IQ4_XS --out 17408 --in 5120
     ncu ... --section SourceCounters --page source --print-source sass python benchmarks/gemv_launch.py Q4_K
+    ncu ... python benchmarks/gemv_launch.py IQ4_XS --int8-levels 2   (the int8 GEMV, x in two int8 levels)
 
 The kernel runs twice (compile, then the launch to profile); `-c 1` profiles the first. Formats: bf16 (the dense
 stacked GEMV) or a ggml type with a fused kernel (the packed one); both read layer 0 of a one-layer stack in place,
@@ -22,7 +23,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: 
 
 from benchmarks.quant_plan import random_packed  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
-from pallas_kernels import dense_gemv, quant_matmul  # noqa: E402
+from pallas_kernels import dense_gemv, quant_gemv_int8, quant_matmul  # noqa: E402
 
 
 def main():
@@ -32,6 +33,7 @@ def main():
     ap.add_argument("--in", dest="k", type=int, default=5120)
     ap.add_argument("--rows", type=int, default=1, help="rows of x (1..16)")
     ap.add_argument("--tiles", help="packed kernel's BLOCK_N,VALUES_PER_K_STEP,WARPS (default: the kernel's choice)")
+    ap.add_argument("--int8-levels", type=int, help="IQ4_XS through the int8 GEMV, x in this many int8 levels")
     args = ap.parse_args()
     key_w, key_x = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (args.rows, args.k), jnp.bfloat16)
@@ -50,6 +52,13 @@ def main():
                                                   default.num_stages)
         product = jax.jit(lambda x, w: quant_matmul.stacked_quant_matmul(x, w, layer, block_sizes=block_sizes,
                                                                              interpret=backend.interpret()))
+        if args.int8_levels:
+            int8_sizes = None
+            if args.tiles:
+                block_n, values, warps = map(int, args.tiles.split(","))
+                int8_sizes = quant_gemv_int8.BlockSizes(block_n, max(1, values // block), warps)
+            product = jax.jit(lambda x, w: quant_gemv_int8.int8_quant_matmul(
+                x, w, layer, block_sizes=int8_sizes, levels=args.int8_levels, interpret=backend.interpret()))
     for _ in range(2):
         jax.block_until_ready(product(x, stacked))
 

@@ -10,15 +10,15 @@ exponent in one step. On CUDA the Triton rule calls libdevice's __nv_byte_perm (
 call on ROCm (AMD's v_perm_b32 has no ocml/ockl entry), so there, and in XLA and interpreted kernels, it is shifts
 and masks, exact but not fast: callers choose it only where NATIVE_PLATFORMS holds the platform.
 
-The Triton rule is registered through Pallas's private lowering table (as fma.py's); if that table moves in a later
-JAX, REGISTERED is False and the kernels fall back to their arithmetic decoders.
+The Triton rule is registered through Pallas's private lowering table (pallas_kernels/native_op.py); if that table
+moves in a later JAX, REGISTERED is False and the kernels fall back to their arithmetic decoders.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
+
+from pallas_kernels.native_op import bind, native_elementwise
 
 NATIVE_PLATFORMS = ("cuda",)  # where the Triton rule is one instruction
 
@@ -35,39 +35,11 @@ def byte_perm_reference(a, b, selector) -> jax.Array:
     return out
 
 
-byte_perm_p = Primitive("luxjax_byte_perm")
-byte_perm_p.def_impl(byte_perm_reference)
-byte_perm_p.def_abstract_eval(lambda a, b, s: a)
-mlir.register_lowering(byte_perm_p, mlir.lower_fun(byte_perm_reference, multiple_results=False))
-
-
-def _register_triton_rule() -> bool:
-    try:
-        from jax._src.pallas.triton import lowering
-    except ImportError:
-        return False
-    tt_dialect = getattr(lowering, "tt_dialect", None)  # the Triton dialect bindings Pallas lowers with
-    if not isinstance(getattr(lowering, "triton_lowering_rules", None), dict) or tt_dialect is None:
-        return False
-    portable = lowering.lower_fun(byte_perm_reference, multiple_results=False)
-
-    def rule(ctx, a, b, selector):
-        if ctx.context.platform not in NATIVE_PLATFORMS:
-            return portable(ctx, a, b, selector)
-        return tt_dialect.extern_elementwise(a.type, [a, b, selector], libname="", libpath="",
-                                             symbol="__nv_byte_perm", pure=True)
-
-    lowering.triton_lowering_rules[byte_perm_p] = rule
-    return True
-
-
-REGISTERED = _register_triton_rule()
+byte_perm_p, REGISTERED = native_elementwise("luxjax_byte_perm", byte_perm_reference, "__nv_byte_perm",
+                                               NATIVE_PLATFORMS)
 
 
 def byte_perm(a, b, selector) -> jax.Array:
     """uint32 byte i = byte ((selector >> 4i) & 7) of [a, b], broadcast to one shape (see the module doc)."""
     a, b, selector = (jnp.asarray(v).astype(jnp.uint32) for v in (a, b, selector))
-    if not REGISTERED:
-        return byte_perm_reference(a, b, selector)
-    shape = jnp.broadcast_shapes(a.shape, b.shape, selector.shape)
-    return byte_perm_p.bind(*(jnp.broadcast_to(v, shape) for v in (a, b, selector)))
+    return bind(byte_perm_p, REGISTERED, byte_perm_reference, a, b, selector)

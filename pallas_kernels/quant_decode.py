@@ -43,6 +43,7 @@ class Magic(NamedTuple):
 
 IQ4_BIAS = 128  # added to the codebook so each value is an unsigned byte (1..241)
 IQ4_TABLE_WORDS = tuple(sum((IQ4_KVALUES[4 * w + i] + IQ4_BIAS) << (8 * i) for i in range(4)) for w in range(4))
+IQ4_SIGNED_TABLE_WORDS = tuple(sum((IQ4_KVALUES[4 * w + i] & 0xFF) << (8 * i) for i in range(4)) for w in range(4))
 # uint32: MAGIC; SIGNED_MAGIC, which are the bits of ROUND_MAGIC; the IQ4 table words
 KERNEL_CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_TABLE_WORDS)
 
@@ -168,7 +169,7 @@ _IQ4_CONSTANT = -127.0
 def _iq4_table(q: jax.Array, magic: Magic) -> jax.Array:
     """IQ4 codebook lookup for 4-bit codes in float arithmetic: 4 fused multiply-adds and one subtraction per
     value, rather than a gather (none in Triton's Pallas) or a chain of integer selects. Where the platform has a
-    byte permute, _iq4_codes_by_byte_perm is cheaper."""
+    byte permute, iq4_codes_by_byte_perm is cheaper."""
     x = _u2f(q, magic)
     p = jnp.full_like(x, _IQ4_POLY[0])
     for c in _IQ4_POLY[1:]:
@@ -176,8 +177,9 @@ def _iq4_table(q: jax.Array, magic: Magic) -> jax.Array:
     return fma(p, x, _IQ4_CONSTANT + magic.round) - magic.round
 
 
-def _iq4_codes_by_byte_perm(words: jax.Array, magic: Magic) -> list[jax.Array]:
-    """Table bytes (codebook + IQ4_BIAS) of the eight codes in each uint32 word, as two words of four bytes:
+def iq4_codes_by_byte_perm(words: jax.Array, magic: Magic) -> list[jax.Array]:
+    """Table bytes (magic.iq4_table's: IQ4_TABLE_WORDS, the codebook + IQ4_BIAS, for the float decoders;
+    IQ4_SIGNED_TABLE_WORDS for integer dot products) of the eight codes in each uint32 word, as two words of four bytes:
     [code 0, 1, 2, 3] and [code 4, 5, 6, 7] (code i = nibble i). Each half looks its four codes' low three bits up
     in both halves of the table, then picks per code by its top bit: 11 instructions per eight codes on NVIDIA."""
     t0, t1, t2, t3 = magic.iq4_table
@@ -190,19 +192,31 @@ def _iq4_codes_by_byte_perm(words: jax.Array, magic: Magic) -> list[jax.Array]:
     return out
 
 
-def _iq4_xs(p, sl, magic):
-    """Sub-block g = 2*g2 + gp covers qs words (g2, gp, :) of a block: word w holds the sub-block's values 4w + j
-    (low nibble of byte j) and 16 + 4w + j (high nibble), term (h, j) for value 16h + 4w + j."""
-    d = _f16(p["d"][:, sl, :])[..., None, None]  # [BN, KB, 1, 1, 1]
+def iq4_xs_scales(p, sl, magic) -> jax.Array:
+    """The sub-block scales d * (6-bit scale - 32) of IQ4_XS blocks, [BN, KB, 4, 2]: sub-block g = 2*g2 + gp."""
+    d = _f16(p["d"][:, sl, :])[..., None]  # [BN, KB, 1, 1]
     sh = p["scales_h"][:, sl, :][..., None].astype(jnp.uint32)  # [BN, KB, 1, 1]
     sl_bytes = p["scales_l"][:, sl, :][..., None].astype(jnp.uint32)  # [BN, KB, 4, 1]
     g2, gp = _iota((1, 1, 4, 2), 2), _iota((1, 1, 4, 2), 3)
     six_bits = ((sl_bytes >> (4 * gp)) & 0xF) | (((sh >> (4 * g2 + 2 * gp)) & 3) << 4)
-    scale = d * _u2f(six_bits, magic, 32.0)[..., None]  # [BN, KB, 4, 2, 1]
+    return d * _u2f(six_bits, magic, 32.0)
+
+
+def iq4_xs_signed_bytes(p, sl, magic) -> list[jax.Array]:
+    """IQ4_XS codes of KB blocks looked up as signed bytes (magic.iq4_table must be IQ4_SIGNED_TABLE_WORDS), for
+    integer dot products: two [BN, KB, 4, 2, 4] uint32 words per qs word (g2, gp, w) of a block, half h holding the
+    values 4w + 2h, 16 + 4w + 2h, 4w + 2h + 1, 16 + 4w + 2h + 1 of sub-block 2*g2 + gp, low byte first."""
+    return iq4_codes_by_byte_perm(p["qs"][:, sl].astype(jnp.uint32), magic)
+
+
+def _iq4_xs(p, sl, magic):
+    """Sub-block g = 2*g2 + gp covers qs words (g2, gp, :) of a block: word w holds the sub-block's values 4w + j
+    (low nibble of byte j) and 16 + 4w + j (high nibble), term (h, j) for value 16h + 4w + j."""
+    scale = iq4_xs_scales(p, sl, magic)[..., None]  # [BN, KB, 4, 2, 1]
     words = p["qs"][:, sl].astype(jnp.uint32)  # [BN, KB, 4, 2, 4]
     terms = []
     if magic.use_byte_perm:
-        halves = _iq4_codes_by_byte_perm(words, magic)
+        halves = iq4_codes_by_byte_perm(words, magic)
         for h in range(2):
             for j in range(4):  # byte 2 * (j % 2) + h of half j // 2, under the magic exponent
                 bits = byte_perm(halves[j // 2], magic.bits, 0x7650 | (2 * (j % 2) + h))

@@ -17,7 +17,8 @@ The decode GEMV is bound by instruction issue, not by memory (an H200 profile: 8
 memory throughput), so the decoders count instructions: fused multiply-adds (pallas_kernels/fma.py), masks ORed
 with a magic number held in a register, high nibbles decoded in place, and on CUDA the IQ4 codebook looked up by
 byte permutes (pallas_kernels/byte_perm.py: 8.0 instead of 11.2 instructions per weight, 33.9 vs 46.8 us for
-17408 x 5120 on an H200).
+17408 x 5120 on an H200). On CUDA, IQ4_XS at 1..4 rows of x goes to quant_gemv_int8.py instead (x quantized to
+int8 levels, four weights per integer dot-product instruction; ops.linear chooses).
 """
 from __future__ import annotations
 

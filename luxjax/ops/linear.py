@@ -2,10 +2,11 @@
 
 `_impl` is the single dispatch point: packed weights in a format with a fused kernel, with at most
 _PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when luxjax.ops.backend chooses Pallas
-(GPU by default, LUXJAX_KERNELS overrides); larger products of packed weights decode them with the Pallas
-dequantize kernel and run one vendor GEMM (the fused GEMM measured 116 TFLOP/s on an H200 (Q8_0, M=1024) where
-cuBLAS on bf16 runs near 700); everything else takes the XLA path, which dequantizes inside the jitted graph and is
-the kernels' oracle.
+(GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS at 1..4 rows where the GPU has integer dot products
+(CUDA), to the int8 GEMV (pallas_kernels/quant_gemv_int8.py: x in int8 levels; LUXJAX_INT8_GEMV=off declines it);
+larger products of packed weights decode them with the Pallas dequantize kernel and run one vendor GEMM (the
+fused GEMM measured 116 TFLOP/s on an H200 (Q8_0, M=1024) where cuBLAS on bf16 runs near 700); everything else
+takes the XLA path, which dequantizes inside the jitted graph and is the kernels' oracle.
 
 A weight may also come as a LayerSlice: one layer of a weight stacked over the scanned layers, not yet sliced.
 Decode-sized products read it in place with the stacked kernels (dense or packed), and so do larger products of
@@ -66,7 +67,23 @@ def _xla_linear(x: jax.Array, w: Weight, out_dtype=None) -> jax.Array:
 def _pallas_linear(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:
     from pallas_kernels.quant_matmul import quant_matmul  # Pallas imports only once Pallas is chosen
 
+    y = _int8_linear(x, w, None, out_dtype)
+    if y is not None:
+        return y
     y = quant_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype=out_dtype, interpret=backend.interpret())
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _int8_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
+    """x @ W.T (W[layer].T for a stacked w) by the int8 decode GEMV where the platform runs it natively and it
+    takes the format and rows, else None."""
+    from pallas_kernels import quant_gemv_int8
+
+    if not (quant_gemv_int8.uses_int8(backend.interpret())
+            and quant_gemv_int8.supported(x.shape, w, stacked=layer is not None)):
+        return None
+    y = quant_gemv_int8.int8_quant_matmul(x.reshape(-1, x.shape[-1]), w, layer, out_dtype=out_dtype,
+                                          interpret=backend.interpret())
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -96,6 +113,9 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
     if isinstance(w.stacked, QuantizedTensor):
         from pallas_kernels import quant_matmul as kernels
 
+        y = _int8_linear(x, w.stacked, w.index, out_dtype)
+        if y is not None:
+            return y
         if not kernels.stacked_supported(x.shape, w.stacked):
             return _dequantized_linear(x, w.stacked, w.index, out_dtype)
         y = kernels.stacked_quant_matmul(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())

@@ -1,0 +1,73 @@
+"""Decode of a packed GGUF checkpoint through the Pallas decode kernels (interpreted here, compiled on a GPU)
+against the same file through the XLA path, which dequantizes with exact products: the IQ4_XS fixture, whose
+projections take the int8 GEMV (x in int8 levels, pallas_kernels/quant_gemv_int8.py), so the model-level effect of
+quantizing x is measured on real llama.cpp-written weights, not only on random kernel inputs."""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import luxjax
+from luxjax.engine.generate import cache_length, prefill_prompt
+from luxjax.ops import backend as ops_backend
+from pallas_kernels import quant_gemv_int8
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35-tiny-a"
+STEPS = 4
+# float32 x takes three int8 levels (float32-like: ~1e-7 of each 32 values' largest); the logits of the tiny model
+# are O(1), so anything past float32 accumulation noise would show
+DECODE_ATOL = 2e-4
+
+
+@pytest.fixture
+def seed() -> int:
+    return int(os.environ["LUXJAX_TEST_SEED"]) if os.environ.get("LUXJAX_TEST_SEED") else secrets.randbelow(2**31)
+
+
+def decode_logits(model: luxjax.Model, ids: list[int], follow: list[int], *, pallas_decode: bool, monkeypatch):
+    """Logits of the prompt's last position (prefill by the XLA path) and of each decode step feeding `follow`;
+    the decode steps traced with the Pallas kernels chosen (interpreted) or not."""
+    backend = model.backend
+    prompt = backend.prompt_from_ids(ids, None)
+    caches = backend.init_cache(1, cache_length(len(ids), len(follow) + 1, backend.max_context))
+    logits, caches = prefill_prompt(backend, caches, 0, prompt)
+    out = [np.asarray(logits, np.float32).reshape(-1)]
+    jax.clear_caches()  # the kernel choice is made at trace time: trace the decode step afresh, and after
+    try:
+        with monkeypatch.context() as patch:
+            if pallas_decode:
+                patch.setattr(ops_backend, "use_pallas", lambda: True)
+                patch.setattr(ops_backend, "interpret", lambda: True)
+            for i, token in enumerate(follow):
+                logits, caches = backend.decode(caches, np.array([token]), np.array([len(ids) + i]),
+                                                np.array([prompt.rope_delta]))
+                out.append(np.asarray(logits, np.float32).reshape(-1))
+    finally:
+        jax.clear_caches()  # no later test may reuse a step traced with the patched choice
+    return np.stack(out)
+
+
+def test_iq4_xs_decode_through_the_int8_gemv_matches_xla(monkeypatch, seed):
+    rng = np.random.default_rng(seed)
+    path = FIXTURES / "tiny-qwen35-a-IQ4_XS.gguf"
+    model = luxjax.load(path, dtype="float32", progress=False)
+    vocab = model.backend.vocab_size
+    ids = rng.integers(0, min(vocab, 5000), int(rng.integers(5, 20))).tolist()
+    follow = rng.integers(0, min(vocab, 5000), STEPS).tolist()
+    calls = []
+    real = quant_gemv_int8.int8_quant_matmul
+    monkeypatch.setattr(quant_gemv_int8, "int8_quant_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    want = decode_logits(model, ids, follow, pallas_decode=False, monkeypatch=monkeypatch)
+    assert not calls, "the XLA path must not take the int8 GEMV"
+    got = decode_logits(model, ids, follow, pallas_decode=True, monkeypatch=monkeypatch)
+    assert calls, "the decode steps did not take the int8 GEMV"
+    np.testing.assert_array_equal(got[0], want[0], err_msg="the prefills are the same path")
+    diff = np.abs(got[1:] - want[1:]).max()
+    print(f"seed {seed}: int8-GEMV decode vs XLA, max |logit diff| {diff:.2e} over {STEPS} steps")
+    assert diff <= DECODE_ATOL, f"seed {seed}: decode logits differ by {diff:.2e}"
+    assert (got[1:].argmax(-1) == want[1:].argmax(-1)).all()

@@ -1,0 +1,165 @@
+"""The int8 decode GEMV (pallas_kernels/quant_gemv_int8.py) and its integer dot product, against independent
+oracles: numpy's int8 views of the words for dot4, gguf's numpy dequantizer and a float64 product for the GEMV, held
+to the error bound that quantizing x in int8 levels allows (derived here from x, not from the kernel's code).
+
+On CPU the kernels run interpreted; on a GPU compiled (dot4 as DP4A, the codebook by byte permutes).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+from jax.experimental import pallas as pl
+
+from luxjax.ops import backend, linear as linear_mod
+from luxjax.ops.linear import LayerSlice
+from pallas_kernels import quant_gemv_int8 as qi
+from pallas_kernels.dot4 import dot4
+from test_quant_matmul import random_weight
+
+
+def _bytes(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> their four bytes as int8, low byte first (numpy's little-endian view)."""
+    return np.ascontiguousarray(words.astype("<u4")).view(np.int8).reshape(*words.shape, 4).astype(np.int64)
+
+
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["xla", "pallas"])
+def test_dot4_matches_integer_products(in_kernel, seed, interpret):
+    rng = np.random.default_rng(seed)
+    a, b = (rng.integers(0, 2**32, (8, 128), dtype=np.uint32) for _ in range(2))
+    c = rng.integers(-2**31, 2**31, (8, 128), dtype=np.int64).astype(np.int32)
+    # extremes: -128 * -128 four times, and a sum that wraps past int32
+    a[0, :2], b[0, :2], c[0, :2] = 0x80808080, 0x80808080, (0, 2**31 - 1)
+    want = ((_bytes(a) * _bytes(b)).sum(-1) + c.astype(np.int64) + 2**31) % 2**32 - 2**31
+    if in_kernel:
+        def kernel(a_ref, b_ref, c_ref, o_ref):
+            o_ref[...] = dot4(a_ref[...], b_ref[...], c_ref[...])
+
+        got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(c.shape, jnp.int32), interpret=interpret)(
+            jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    else:
+        got = jax.jit(dot4)(a, b, c)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")
+
+
+def random_x(rng, m: int, k: int, dtype) -> jax.Array:
+    """Values over many scales (log-normal magnitudes, either sign), a group of zeros and one of tiny values."""
+    x = rng.standard_normal((m, k)) * np.exp(2 * rng.standard_normal((m, k)))
+    x[0, 32:64] = 0.0
+    if k > 96:
+        x[-1, 64:96] *= 1e-35
+    return jnp.asarray(x, dtype)
+
+
+def x_error_bound(x: np.ndarray, levels: int) -> np.ndarray:
+    """Per value, the most that x's int8 levels can miss it by: half the finest step of its group of 32, whose
+    coarsest step is max|x| / 127 (groups smaller than qi.TINY may drop out), with float32 slack."""
+    groups = np.abs(x).reshape(*x.shape[:-1], -1, qi.GROUP)
+    step = np.maximum(groups.max(-1, keepdims=True), qi.TINY) / 127 / qi.LEVEL_STEP ** (levels - 1)
+    return np.broadcast_to(step / 2 * (1 + 1e-5) + 4e-7 * groups.max(-1, keepdims=True), groups.shape).reshape(
+        x.shape)
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_quantized_x_within_its_bound(levels, seed):
+    rng = np.random.default_rng(seed)
+    x = random_x(rng, 3, 512, jnp.float32)
+    q, d = qi.quantize_x(x, levels)
+    assert q.dtype == jnp.int8 and d.shape == (3, 512 // qi.GROUP)
+    q, d = np.asarray(q, np.float64), np.asarray(d, np.float64)
+    assert np.abs(q).max() <= 127
+    steps = d[:, None, :, None] / qi.LEVEL_STEP ** np.arange(levels)[None, :, None, None]  # [m, levels, groups, 1]
+    rebuilt = (q.reshape(3, levels, -1, qi.GROUP) * steps).sum(1).reshape(3, 512)
+    x64 = np.asarray(x, np.float64)
+    excess = np.abs(rebuilt - x64) - x_error_bound(x64, levels)
+    assert excess.max() <= 0, f"seed {seed}: {levels} levels miss x by more than their bound"
+    # the bound is tight where it matters: each group's largest value takes level 0's full range
+    kept = np.abs(x64).reshape(3, -1, qi.GROUP).max(-1) >= qi.TINY
+    assert kept.sum() < kept.size and np.all(np.abs(q[:, 0]).reshape(3, -1, qi.GROUP).max(-1)[kept] >= 126)
+
+
+def check_against_bound(got, x, dense, levels: int, msg: str):
+    """|got - x @ W.T| <= sum |w| * (x's quantization bound) + float32 accumulation (1e-6 of sum |x||w|)."""
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    want = x64 @ dense.T
+    allowed = x_error_bound(x64, levels) @ np.abs(dense).T + 1e-6 * (np.abs(x64) @ np.abs(dense).T)
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, f"{msg}: shape {got.shape}"
+    assert np.all(np.isfinite(got)), f"{msg}: non-finite output"
+    worst = (np.abs(got - want) / allowed).max()
+    assert worst <= 1, f"{msg}: error {worst:.3g} times the bound"
+
+
+CASES = [(1, 37, 512, jnp.bfloat16), (2, 48, 768, jnp.float32), (3, 64, 1024, jnp.float32),
+         (4, 16, 2048, jnp.bfloat16), (1, 32, 256, jnp.float16)]
+
+
+@pytest.mark.parametrize("m,out,k,dtype", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_int8_gemv_matches_dequantized_matmul(m, out, k, dtype, seed, interpret):
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, T.IQ4_XS, out, k)
+    x = random_x(rng, m, k, dtype)
+    got = qi.int8_quant_matmul(x, w, out_dtype=jnp.float32, interpret=interpret)
+    check_against_bound(got, x, dense, qi.levels_for(dtype), f"x[{m},{k}] {jnp.dtype(dtype).name} W[{out}] "
+                                                             f"seed {seed}")
+    y = qi.int8_quant_matmul(x, w, interpret=interpret)
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(got.astype(dtype)), err_msg="out_dtype rounds once")
+
+
+@pytest.mark.parametrize("m,splits", [(1, None), (2, 4), (4, 1)])
+def test_int8_gemv_reads_the_chosen_layer(m, splits, seed, interpret):
+    rng = np.random.default_rng(seed)
+    layers, out, k = int(rng.integers(2, 4)), 32, 1024
+    pairs = [random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in pairs])
+    layer = int(rng.integers(0, layers))
+    x = random_x(rng, m, k, jnp.float32)
+    bs = qi.BlockSizes(16, 1, 4, splits=splits)  # one block per step: each split runs several steps
+    got = qi.int8_quant_matmul(x, stacked, jnp.int32(layer), block_sizes=bs, interpret=interpret)
+    check_against_bound(got, x, pairs[layer][1], 3, f"layer {layer}/{layers} m={m} splits={splits} seed {seed}")
+
+
+def test_linear_takes_the_int8_gemv_for_decode_rows(monkeypatch, seed):
+    """With Pallas chosen on a platform where the int8 GEMV runs (here: interpreted), linear() on IQ4_XS sends 1..4
+    rows to it (a stacked layer slice and a plain weight) and more rows elsewhere; values within the bound."""
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    pairs = [random_weight(rng, T.IQ4_XS, 32, 512) for _ in range(2)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in pairs])
+    for rows, weight, dense in [(1, LayerSlice(stacked, jnp.int32(1)), pairs[1][1]), (4, pairs[0][0], pairs[0][1]),
+                                (5, pairs[0][0], pairs[0][1])]:
+        x = random_x(rng, rows, 512, jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear(x, weight))(x))
+        assert ("int8_gemv_iq4_xs" in jaxpr) == (rows <= qi.MAX_ROWS), f"{rows} rows"
+        if rows <= qi.MAX_ROWS:
+            check_against_bound(linear_mod.linear(x, weight), x, dense, 3, f"linear, {rows} rows, seed {seed}")
+
+
+def test_int8_gemv_refuses_what_it_cannot_take():
+    w, _ = random_weight(np.random.default_rng(0), T.IQ4_XS, 16, 256)
+    assert qi.supported((4, 256), w, stacked=False) and not qi.supported((5, 256), w, stacked=False)
+    with pytest.raises(ValueError, match="x"):
+        qi.int8_quant_matmul(jnp.zeros((5, 256)), w, interpret=True)
+    q4, _ = random_weight(np.random.default_rng(0), T.Q4_K, 16, 256)
+    assert not qi.supported((1, 256), q4, stacked=False)
+    with pytest.raises(NotImplementedError):
+        qi.int8_quant_matmul(jnp.zeros((1, 256)), q4, interpret=True)
+
+
+@pytest.mark.parametrize("setting,expected", [("on", True), ("off", False), ("", True)])
+def test_int8_gemv_switch(monkeypatch, setting, expected):
+    """LUXJAX_INT8_GEMV=off keeps decode GEMVs on exact x (the float reduce); anything but on/off is refused."""
+    monkeypatch.setenv("LUXJAX_INT8_GEMV", setting)
+    backend.int8_activations.cache_clear()
+    try:
+        assert qi.uses_int8(interpret=True) is expected
+        monkeypatch.setenv("LUXJAX_INT8_GEMV", "fast")
+        backend.int8_activations.cache_clear()
+        with pytest.raises(ValueError, match="LUXJAX_INT8_GEMV"):
+            qi.uses_int8(interpret=True)
+    finally:
+        backend.int8_activations.cache_clear()

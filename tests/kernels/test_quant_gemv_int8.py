@@ -55,10 +55,11 @@ def random_x(rng, m: int, k: int, dtype) -> jax.Array:
 
 def x_error_bound(x: np.ndarray, levels: int) -> np.ndarray:
     """Per value, the most that x's int8 levels can miss it by: half the finest step of its group of 32, whose
-    coarsest step is max|x| / 127 (groups smaller than qi.TINY may drop out), with float32 slack."""
+    coarsest step is max|x| / 127 (groups smaller than qi.TINY may drop out), plus float32 rounding of what each
+    level leaves (2^-23 of the group's largest: at three levels the bound itself is 2^-22)."""
     groups = np.abs(x).reshape(*x.shape[:-1], -1, qi.GROUP)
     step = np.maximum(groups.max(-1, keepdims=True), qi.TINY) / 127 / qi.LEVEL_STEP ** (levels - 1)
-    return np.broadcast_to(step / 2 * (1 + 1e-5) + 4e-7 * groups.max(-1, keepdims=True), groups.shape).reshape(
+    return np.broadcast_to(step / 2 * (1 + 1e-5) + 2.0**-23 * groups.max(-1, keepdims=True), groups.shape).reshape(
         x.shape)
 
 

@@ -19,9 +19,11 @@ from pallas_kernels import quant_gemv_int8
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35-tiny-a"
 STEPS = 4
-# float32 x takes three int8 levels (float32-like: ~1e-7 of each 32 values' largest); the logits of the tiny model
-# are O(1), so anything past float32 accumulation noise would show
-DECODE_ATOL = 2e-4
+# Of the largest logit: float32 x takes three int8 levels (~2.4e-7 of each 32 values' largest). Measured over three
+# seeds: max differences of 7.3e-5 to 1.36e-4 with the int8 GEMV, 3.6e-5 to 7.8e-5 with the float reduce (the other
+# decode kernels' float32 differences), on logits up to 20-21 (6.8e-6 of the largest at most); a level dropped or a
+# value misplaced moves them by orders of magnitude more
+DECODE_RTOL = 2e-5
 
 
 @pytest.fixture
@@ -67,7 +69,9 @@ def test_iq4_xs_decode_through_the_int8_gemv_matches_xla(monkeypatch, seed):
     got = decode_logits(model, ids, follow, pallas_decode=True, monkeypatch=monkeypatch)
     assert calls, "the decode steps did not take the int8 GEMV"
     np.testing.assert_array_equal(got[0], want[0], err_msg="the prefills are the same path")
-    diff = np.abs(got[1:] - want[1:]).max()
-    print(f"seed {seed}: int8-GEMV decode vs XLA, max |logit diff| {diff:.2e} over {STEPS} steps")
-    assert diff <= DECODE_ATOL, f"seed {seed}: decode logits differ by {diff:.2e}"
-    assert (got[1:].argmax(-1) == want[1:].argmax(-1)).all()
+    diff, scale = np.abs(got[1:] - want[1:]).max(), np.abs(want[1:]).max()
+    print(f"seed {seed}: int8-GEMV decode vs XLA, max |logit diff| {diff:.2e} of logits up to {scale:.1f}")
+    assert diff <= DECODE_RTOL * scale, f"seed {seed}: decode logits differ by {diff:.2e}"
+    top2 = np.sort(want[1:], axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * DECODE_RTOL * scale  # the greedy token is decided, not a near-tie
+    assert (got[1:].argmax(-1) == want[1:].argmax(-1))[clear].all(), f"seed {seed}: greedy tokens differ"

@@ -1,5 +1,5 @@
-"""Decode of a packed GGUF checkpoint through the Pallas decode kernels (interpreted here, compiled on a GPU)
-against the same file through the XLA path, which dequantizes with exact products: the IQ4_XS fixture, whose
+"""Decode of a packed GGUF checkpoint through the Pallas decode kernels (interpreted, on any backend) against the
+same file through the XLA path, which dequantizes with exact products: the IQ4_XS fixture, whose
 projections take the int8 GEMV (x in int8 levels, pallas_kernels/quant_gemv_int8.py), so the model-level effect of
 quantizing x is measured on real llama.cpp-written weights, not only on random kernel inputs."""
 from __future__ import annotations

@@ -35,13 +35,13 @@ from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend
-from pallas_kernels import byte_perm, dot4
+from pallas_kernels import dot4
 from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import (
     IQ4_SIGNED_TABLE_WORDS, KERNEL_FORMATS, MAGIC, SIGNED_MAGIC, _s2f, iq4_xs_scales, iq4_xs_signed_bytes,
     kernel_magic)
-from pallas_kernels.quant_matmul import WHOLE, RowView, _pad_to, blocks_per_step
+from pallas_kernels.quant_matmul import WHOLE, RowView, _pad_to, blocks_per_step, uses_byte_perm
 
 MAX_ROWS = 4  # rows of x per program (each weight decoded once for all of them)
 GROUP = 32  # values of x per int8 scale: one IQ4_XS sub-block
@@ -134,12 +134,11 @@ def _kernel(*refs, stacked, kb, steps, levels, interpret):
 
 
 def uses_int8(interpret: bool) -> bool:
-    """Whether decode GEMVs take this kernel: where dot4 and byte_perm are single instructions (CUDA), and
-    interpreted (their XLA forms, so the tests check it)."""
-    if not (dot4.REGISTERED and byte_perm.REGISTERED and backend.int8_activations()):
+    """Whether decode GEMVs take this kernel: where dot4 and byte_perm (quant_matmul.uses_byte_perm) are single
+    instructions (CUDA), and interpreted (their XLA forms, so the tests check it); never with int8 activations off."""
+    if not (backend.int8_activations() and dot4.REGISTERED and uses_byte_perm(interpret)):
         return False
-    native = all(backend.gpu_platform() in mod.NATIVE_PLATFORMS for mod in (dot4, byte_perm))
-    return interpret or native
+    return interpret or backend.gpu_platform() in dot4.NATIVE_PLATFORMS
 
 
 def supported(x_shape, w: QuantizedTensor, stacked: bool) -> bool:

@@ -4,6 +4,10 @@ One program per (batch, kv head, split) handles all q heads of its kv head, so e
 program walks only the valid part of its split ([0, start[b]] cut into `num_splits` pieces), so the cost follows
 the real lengths, not the cache size S. Partial results (unnormalised output, running max, running sum) are
 merged by a small XLA step.
+
+The caches may come stacked over a decoder's scanned layers ([L, B, S, Hkv, D] and a layer index): the kernel then
+reads its layer where it lies. A slice taken outside the kernel is copied first (an H200 decode profile of the
+27B: a 4 MB copy of each of K and V per attention layer and step at batch 1).
 """
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ class BlockSizes:
 
 def _decode_kernel(
     q_ref,  # [B, Hkv, block_h, D]  (q heads of one kv head, zero-padded to block_h rows)
-    k_ref,  # [B, S, Hkv, D]
-    v_ref,  # [B, S, Hkv, D]
+    k_ref,  # [L, B, S, Hkv, D]: the caches of L layers
+    v_ref,  # [L, B, S, Hkv, D]
     len_ref,  # [B] int32: number of visible cache rows (start + 1)
+    layer_ref,  # [1] int32: the layer read
     o_ref,  # [B, Hkv, splits, block_h, D] float32, unnormalised
     m_ref,  # [B, Hkv, splits, block_h] float32, running max
     l_ref,  # [B, Hkv, splits, block_h] float32, running sum
@@ -52,14 +57,15 @@ def _decode_kernel(
     lo = j * per_split
     hi = jnp.minimum(lo + per_split, n)
     q = q_ref[b, h]  # [block_h, D]
+    layer = layer_ref[0]
 
     def body(i, carry):
         acc, m, l = carry
         first = lo + i * block_k
         idx = first + jnp.arange(block_k)
         valid = idx < hi
-        k = plgpu.load(k_ref.at[b, pl.ds(first, block_k), h, :], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[b, pl.ds(first, block_k), h, :], mask=valid[:, None], other=0.0)
+        k = plgpu.load(k_ref.at[layer, b, pl.ds(first, block_k), h, :], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[layer, b, pl.ds(first, block_k), h, :], mask=valid[:, None], other=0.0)
         s = dot(q, k, ((1,), (1,))) * scale  # [block_h, block_k]
         s = jnp.where(valid[None, :], s, NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -77,12 +83,17 @@ def _decode_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret", "debug"))
-def decode_attention(q, k_cache, v_cache, start, *, scale: float, block_sizes: BlockSizes | None = None,
+def decode_attention(q, k_cache, v_cache, start, *, layer=None, scale: float, block_sizes: BlockSizes | None = None,
                      interpret: bool = False, debug: bool = False):
-    """q [B, 1, Hq, D]; k_cache, v_cache [B, S, Hkv, D]; start [B]: the query sees cache rows 0..start[b].
-    Returns [B, 1, Hq, D] in q.dtype."""
+    """q [B, 1, Hq, D]; k_cache, v_cache [B, S, Hkv, D], or stacked over layers [L, B, S, Hkv, D] with `layer` the
+    one read (an int32 scalar); start [B]: the query sees cache rows 0..start[b]. Returns [B, 1, Hq, D] in
+    q.dtype."""
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     B, T, Hq, D = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.ndim != 5 or k_cache.shape[1] != B or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [(L,) B={B}, S, kv heads, D] alike")
+    S, Hkv = k_cache.shape[2], k_cache.shape[3]
     if T != 1:
         raise ValueError(f"decode attention takes one query token per sequence, got {T=}")
     if Hq % Hkv:
@@ -108,7 +119,7 @@ def decode_attention(q, k_cache, v_cache, start, *, scale: float, block_sizes: B
         interpret=interpret,
         debug=debug,
         name="decode_attention",
-    )(qg, k_cache, v_cache, lengths)
+    )(qg, k_cache, v_cache, lengths, jnp.reshape(layer, (1,)).astype(jnp.int32))
     w = jnp.exp(m - m.max(axis=2, keepdims=True))  # [B, Hkv, splits, block_h]; empty splits weigh 0
     out = (o * w[..., None]).sum(axis=2) / (l * w).sum(axis=2)[..., None]
     return out[:, :, :rep].reshape(B, 1, Hq, D).astype(q.dtype)

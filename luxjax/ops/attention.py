@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from luxjax.ops import backend
+from luxjax.ops.linear import LayerSlice
 
 
 def _pow2_head_dim(d: int) -> bool:
@@ -22,14 +23,28 @@ def _pow2_head_dim(d: int) -> bool:
 
 
 def cached_attention(q, k_cache, v_cache, start, *, scale: float):
-    """q [B, T, Hq, D] over k_cache, v_cache [B, S, Hkv, D]; query t sees cache rows 0 .. start[b]+t."""
-    if backend.use_pallas() and _pow2_head_dim(q.shape[-1]) and q.shape[2] % k_cache.shape[2] == 0:
+    """q [B, T, Hq, D] over k_cache, v_cache [B, S, Hkv, D] (or LayerSlices of stacked caches); query t sees cache
+    rows 0 .. start[b]+t."""
+    kv_heads = (k_cache.stacked if isinstance(k_cache, LayerSlice) else k_cache).shape[-2]
+    if backend.use_pallas() and _pow2_head_dim(q.shape[-1]) and q.shape[2] % kv_heads == 0:
         if q.shape[1] == 1:
-            from pallas_kernels.decode_attention import decode_attention as kernel
-        else:
-            from pallas_kernels.prefill_attention import prefill_attention as kernel
-        return kernel(q, k_cache, v_cache, start, scale=scale, interpret=backend.interpret())
-    return xla_cached_attention(q, k_cache, v_cache, start, scale=scale)
+            from pallas_kernels.decode_attention import decode_attention
+
+            if isinstance(k_cache, LayerSlice) and isinstance(v_cache, LayerSlice):
+                return decode_attention(q, k_cache.stacked, v_cache.stacked, start, layer=k_cache.index,
+                                        scale=scale, interpret=backend.interpret())
+            return decode_attention(q, _value(k_cache), _value(v_cache), start, scale=scale,
+                                    interpret=backend.interpret())
+        from pallas_kernels.prefill_attention import prefill_attention
+
+        return prefill_attention(q, _value(k_cache), _value(v_cache), start, scale=scale,
+                                 interpret=backend.interpret())
+    return xla_cached_attention(q, _value(k_cache), _value(v_cache), start, scale=scale)
+
+
+def _value(cache):
+    """A cache array (a LayerSlice's layer taken out of its stack)."""
+    return cache.take() if isinstance(cache, LayerSlice) else cache
 
 
 def xla_cached_attention(q, k_cache, v_cache, start, *, scale: float):
@@ -51,7 +66,14 @@ def xla_cached_attention(q, k_cache, v_cache, start, *, scale: float):
 
 def write_kv(cache, new, start, valid):
     """cache [B, S, H, D] <- new [B, T, H, D] at rows start[b] .. start[b]+T-1 of each sequence, for the tokens
-    with valid [B, T] set. Invalid tokens (chunk padding, idle slots) and rows past the end are dropped."""
+    with valid [B, T] set. Invalid tokens (chunk padding, idle slots) and rows past the end are dropped. A LayerSlice
+    cache gets the rows written into its stack (returned as a LayerSlice of the new stack)."""
+    if isinstance(cache, LayerSlice):
+        stack = cache.stacked  # [L, B, S, H, D]
+        B, T = new.shape[:2]
+        rows = jnp.where(valid, start[:, None] + jnp.arange(T)[None, :], stack.shape[2])
+        seqs = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        return LayerSlice(stack.at[cache.index, seqs, rows].set(new.astype(stack.dtype), mode="drop"), cache.index)
     S = cache.shape[1]
 
     def one(c, n, s, v):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from luxjax.ops import backend
+from luxjax.ops.linear import LayerSlice
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -209,6 +210,29 @@ def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool, boundary_block=N
         raise ValueError("boundary_block is an output of the chunked form only")
     q, k = (expand_key_heads(x, v.shape[1], head_order) for x in (q, k))
     return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+
+def gated_delta_decode_step(q, k, v, g, beta, state, boundary, pick, *, head_order: str = "grouped"):
+    """One decode token on states cached value-major ([B, H, dv, dk], the DeltaNet cache's layout), either arrays or
+    LayerSlices of stacks over a decoder's scanned layers. q, k [B, Hk, 1, dk]; v [B, H, 1, dv]; g, beta [B, H, 1];
+    pick [B] bool: sequences whose new state also becomes their boundary. Returns (out [B, H, 1, dv], state,
+    boundary): LayerSlices of the updated stacks, stepped where they lie by the Pallas kernel where
+    luxjax.ops.backend chooses it, else the recurrent form's state (an array) and the boundary written for the picked
+    sequences (a select, or a scatter into a LayerSlice's stack)."""
+    if (isinstance(state, LayerSlice) and isinstance(boundary, LayerSlice) and backend.use_pallas()
+            and _kernel_supported(q, v) and head_order in HEAD_ORDERS):
+        from pallas_kernels.gated_delta import gated_delta_decode_step as kernel
+
+        out, states, boundaries = kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0],
+                                         state.stacked, boundary.stacked, state.index, pick, head_order=head_order,
+                                         interpret=backend.interpret())
+        return out[:, :, None], LayerSlice(states, state.index), LayerSlice(boundaries, boundary.index)
+    state = state.take() if isinstance(state, LayerSlice) else state
+    out, new = gated_delta_rule(q, k, v, g, beta, jnp.swapaxes(state, -1, -2), chunked=False, head_order=head_order)
+    new = jnp.swapaxes(new, -1, -2)
+    if isinstance(boundary, LayerSlice):
+        return out, new, boundary.put_sequences(pick, new)
+    return out, new, jnp.where(pick.reshape(pick.shape + (1,) * (new.ndim - 1)), new, boundary)
 
 
 def _kernel_supported(q, v) -> bool:

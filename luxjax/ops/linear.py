@@ -44,6 +44,14 @@ class LayerSlice:
     def take(self) -> Weight:
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stacked)
 
+    def put_sequences(self, pick: jax.Array, value: jax.Array) -> LayerSlice:
+        """For a stacked cache [L, B, ...]: this layer with value [B, ...] written for the sequences where pick [B]
+        holds, by a scatter, so the other sequences' rows are not rewritten."""
+        batch = self.stacked.shape[1]
+        target = jnp.where(pick, jnp.arange(batch), batch)  # past the end: dropped
+        stack = self.stacked.at[self.index, target].set(value.astype(self.stacked.dtype), mode="drop")
+        return LayerSlice(stack, self.index)
+
 
 def vendor_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., in] @ w.T for a dense w [out, in] by XLA's dot (cuBLAS on a GPU): float32 accumulation, one rounding

@@ -34,6 +34,42 @@ def test_decode_attention(seed, interpret, dtype, hq, hkv, d, splits):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_reads_a_layer_of_stacked_caches(seed, interpret, dtype):
+    """Caches stacked over layers, one layer read in place: the same result as the reference on that layer alone
+    (each layer holds different values, so reading another one fails)."""
+    rng = np.random.default_rng(seed)
+    L, B, S, hq, hkv, d = 3, 2, 45, 4, 2, 64
+    q = _normal(rng, (B, 1, hq, d), dtype)
+    k, v = _normal(rng, (L, B, S, hkv, d), dtype), _normal(rng, (L, B, S, hkv, d), dtype)
+    start = jnp.asarray(rng.integers(0, S, B), jnp.int32)
+    layer = int(rng.integers(0, L))
+    out = da.decode_attention(q, k, v, start, layer=jnp.int32(layer), scale=d**-0.5,
+                              block_sizes=da.BlockSizes(block_k=16, num_splits=2), interpret=interpret)
+    ref = da.decode_attention_reference(q, k[layer], v[layer], start, scale=d**-0.5)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"layer {layer} of {L}, {dtype.__name__}: rel err {err:.2e}, seed {seed}"
+
+
+def test_write_kv_into_a_layer_of_stacked_caches(seed):
+    """write_kv on a LayerSlice writes the rows an array cache gets into that layer of the stack, nothing else
+    (invalid tokens and rows past the end dropped alike)."""
+    from luxjax.ops.attention import write_kv
+    from luxjax.ops.linear import LayerSlice
+
+    rng = np.random.default_rng(seed)
+    L, B, S, T, h, d = 3, 3, 10, 4, 2, 8
+    stack = _normal(rng, (L, B, S, h, d), jnp.float32)
+    new = _normal(rng, (B, T, h, d), jnp.float32)
+    start = jnp.asarray([0, rng.integers(1, S - T), S - 2], jnp.int32)  # the last runs past the end
+    valid = jnp.asarray(rng.random((B, T)) < 0.7)
+    layer = int(rng.integers(0, L))
+    got = write_kv(LayerSlice(stack, jnp.int32(layer)), new, start, valid)
+    want = stack.at[layer].set(write_kv(stack[layer], new, start, valid))
+    np.testing.assert_array_equal(np.asarray(got.stacked), np.asarray(want))
+    assert int(got.index) == layer
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(2, 2, 64), (6, 2, 128), (6, 2, 64)])
 def test_prefill_attention(seed, interpret, dtype, hq, hkv, d):
     rng = np.random.default_rng(seed)

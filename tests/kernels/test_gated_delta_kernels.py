@@ -219,3 +219,40 @@ def test_tf32x3_only_where_triton_takes_it(monkeypatch, platform):
     assert gd._precision(gd.BlockSizes(), interpret=False) == expected
     assert gd._precision(gd.BlockSizes(dot_precision="ieee"), interpret=False) == highest
     assert gd._precision(gd.BlockSizes(), interpret=True) == highest
+
+
+@pytest.mark.parametrize("order", ["grouped", "tiled"])
+@pytest.mark.parametrize("dk,dv", [(64, 32), (128, 128)])
+def test_decode_step_on_stacked_states(seed, interpret, order, dk, dv):
+    """The in-place decode step on states stacked over layers (value-major, as the DeltaNet cache keeps them)
+    against the recurrent reference on that layer: out and the new state; the boundary moves to the new state for
+    the picked sequence only; the other layers, and the idle sequence's (beta = g = 0) state, stay as they were."""
+    from luxjax.ops.delta_rule import expand_key_heads
+
+    rng = np.random.default_rng(seed)
+    L, B, Hk, H = 3, 2, 2, 6
+    q, k, v, g, beta, _ = _inputs(rng, B, Hk, 1, dk, dv, valid=[1, 1])
+    _, _, v, g, beta, _ = _inputs(rng, B, H, 1, dk, dv, valid=[1, 0])  # sequence 1 idle: beta = g = 0
+    states = jnp.asarray(rng.standard_normal((L, B, H, dv, dk)), jnp.float32) * 0.5
+    boundaries = jnp.asarray(rng.standard_normal((L, B, H, dv, dk)), jnp.float32)
+    layer, pick = int(rng.integers(0, L)), jnp.asarray([True, False])
+    out, new_states, new_boundaries = gd.gated_delta_decode_step(
+        q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], states, boundaries, jnp.int32(layer), pick,
+        head_order=order, interpret=interpret)
+    qe, ke = (expand_key_heads(x, H, order) for x in (q, k))
+    ref_out, ref_state = gd.gated_delta_reference(qe, ke, v, g, beta, jnp.swapaxes(states[layer], -1, -2))
+    ref_state = jnp.swapaxes(ref_state, -1, -2)
+    where = f"{order} dk={dk} dv={dv} layer {layer}, seed {seed}"
+    for name, x, r in [("out", out, ref_out[:, :, 0]), ("state", new_states[layer], ref_state)]:
+        err = rel_err(x, r)
+        assert err < 1e-5, f"{where}: {name} rel err {err:.2e}"
+    np.testing.assert_array_equal(np.asarray(new_states[layer, 1]), np.asarray(states[layer, 1]),
+                                  err_msg=f"{where}: the idle sequence's state changed")
+    np.testing.assert_array_equal(np.asarray(new_boundaries[layer, 0]), np.asarray(new_states[layer, 0]),
+                                  err_msg=f"{where}: the picked sequence's boundary is not its new state")
+    np.testing.assert_array_equal(np.asarray(new_boundaries[layer, 1]), np.asarray(boundaries[layer, 1]),
+                                  err_msg=f"{where}: the unpicked sequence's boundary changed")
+    others = np.asarray([i for i in range(L) if i != layer])
+    for name, new, old in [("state", new_states, states), ("boundary", new_boundaries, boundaries)]:
+        np.testing.assert_array_equal(np.asarray(new[others]), np.asarray(old[others]),
+                                      err_msg=f"{where}: another layer's {name} changed")

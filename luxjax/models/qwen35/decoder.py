@@ -82,18 +82,26 @@ def _layer_slices(matrices, index):
     return jax.tree.map(lambda w: LayerSlice(w, index), matrices, is_leaf=lambda a: isinstance(a, QuantizedTensor))
 
 
-def _cache_at(stacked, index):
-    """One layer's cache from caches stacked over a scan's steps."""
+def _cache_at(stacked, index, in_place: bool = False):
+    """One layer's cache from caches stacked over a scan's steps: its slices, or (in_place) LayerSlices of the
+    stacks, which the layer reads or writes where they lie (decode: a step changes one row of most caches)."""
+    if in_place:
+        return jax.tree.map(lambda c: LayerSlice(c, index), stacked)
     return jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, index, 0, keepdims=False), stacked)
 
 
 def _put_cache_at(stacked, cache, index):
-    """The stacked caches with layer `index` replaced. The caches ride in the scan's carry and are written back
-    slice by slice, in place in the (donated) buffers. As the scan's xs and ys XLA built new stacked buffers on
-    every call (broadcasts, then copies out of the loop): H200 profile of an IQ4_XS 27B decode step, 13.8 -> 13.4-13.6
+    """The stacked caches with layer `index` replaced: a field the layer returns as an array is written back as the
+    layer's slice, one it returns as a LayerSlice is already its new stack. The caches ride in the scan's carry and
+    are written in place in the (donated) buffers. As the scan's xs and ys XLA built new stacked buffers on every
+    call (broadcasts, then copies out of the loop): H200 profile of an IQ4_XS 27B decode step, 13.8 -> 13.4-13.6
     ms of kernels."""
-    return jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), index, 0),
-                        stacked, cache)
+    def put(c, n):
+        if isinstance(n, LayerSlice):
+            return n.stacked
+        return jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), index, 0)
+
+    return jax.tree.map(put, stacked, cache)
 
 
 def _stack(trees):
@@ -174,11 +182,12 @@ class TextDecoder(nnx.Module):
         return self.embed_tokens(ids, dtype)
 
     def __call__(self, x, positions, start, valid, caches, *, chunked: bool, weights_in_place: InPlace = "none",
-                 block_aligned: bool = False):
+                 caches_in_place: bool = False, block_aligned: bool = False):
         """x [B, T, hidden] input embeddings in the compute dtype; positions int32 [3, B, T]; start [B] cached tokens
         per sequence; valid [B, T] bool prefix mask. Returns (final-norm hidden [B, T, hidden], new caches).
         The residual stream stays float32 between layers (bf16 mode rounds only inside the blocks).
         weights_in_place: see _scan_segment (inference; training differentiates through the plain slices).
+        caches_in_place: the layers get their caches as LayerSlices of the stacks (decode; see _cache_at).
         block_aligned: every start is a multiple of the DeltaNet block (see GatedDeltaNet.__call__)."""
         inv_freq = inverse_frequencies(self.cfg.rotary_dim, self.cfg.rope_theta)
         axes = interleaved_mrope_axes(self.cfg.rotary_dim, self.cfg.mrope_section)
@@ -187,13 +196,14 @@ class TextDecoder(nnx.Module):
         dtype = x.dtype
         x = x.astype(jnp.float32)
         for s, segment in enumerate(self.stacks):
-            x, caches[s] = self._scan_segment(segment, x, caches[s], weights_in_place=weights_in_place, cos=cos,
-                                              sin=sin, start=start, valid=valid, chunked=chunked, dtype=dtype,
-                                              block_aligned=block_aligned)
+            x, caches[s] = self._scan_segment(segment, x, caches[s], weights_in_place=weights_in_place,
+                                              caches_in_place=caches_in_place, cos=cos, sin=sin, start=start,
+                                              valid=valid, chunked=chunked, dtype=dtype, block_aligned=block_aligned)
         return self.norm(x).astype(dtype), caches
 
     @staticmethod
-    def _scan_segment(segment, x, caches, *, weights_in_place: InPlace = "none", **kw):
+    def _scan_segment(segment, x, caches, *, weights_in_place: InPlace = "none", caches_in_place: bool = False,
+                      **kw):
         """One lax.scan over the segment's steps (each its group of pattern repeats, layer by layer).
         weights_in_place: which matrices stay stacked, each layer getting LayerSlices of them (kernels read them in
         place) instead of the scan's slices: "all", "packed" (quantized ones only) or "none"."""
@@ -212,7 +222,7 @@ class TextDecoder(nnx.Module):
             new_caches = []
             for j, (graphdef, state, stacked) in enumerate(zip(graphdefs, layer_states, stacked_caches)):
                 states = (state,) if matrices is None else (_layer_slices(matrices[j], index), state)
-                h, cache = nnx.merge(graphdef, *states)(h, _cache_at(stacked, index), **kw)
+                h, cache = nnx.merge(graphdef, *states)(h, _cache_at(stacked, index, caches_in_place), **kw)
                 new_caches.append(_put_cache_at(stacked, cache, index))
             return (h, new_caches), None
 

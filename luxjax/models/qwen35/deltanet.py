@@ -26,8 +26,8 @@ from flax import nnx
 
 from luxjax.layers.basic import GatedRMSNorm, Linear, row_sum
 from luxjax.models.qwen35.config import TextConfig
-from luxjax.ops.delta_rule import gated_delta_rule
-from luxjax.ops.linear import linear_many, split_linear_many
+from luxjax.ops.delta_rule import gated_delta_decode_step, gated_delta_rule
+from luxjax.ops.linear import LayerSlice, linear_many, split_linear_many
 
 
 BLOCK = 64  # the chunked form's block of tokens; prefill keeps the blocks at multiples of BLOCK from token 0
@@ -132,15 +132,14 @@ class GatedDeltaNet(nnx.Module):
     def _decode_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid):
         """Recurrent form from `state` for one token; its inputs join the pending rows, and when they complete a
         block the boundary moves to the new state (the pending rows then count from 0 again: prefill reads only
-        rows < start % BLOCK). Idle rows (valid False) keep every field."""
+        rows < start % BLOCK). Idle rows (valid False) keep every field. Fields given as LayerSlices of the stacked
+        caches (decode) are updated in their stacks (luxjax.ops.delta_rule.gated_delta_decode_step, write_row)."""
         if tokens.q.shape[1] != 1:
             raise ValueError(f"the recurrent (decode) form takes one token per sequence, got {tokens.q.shape[1]}")
-        out, state = gated_delta_rule(*self._heads_major(tokens), as_cached(cache.state), chunked=False,
-                                      head_order=self.head_order)
-        state = as_cached(state)
         active, row = valid[:, 0], start % BLOCK
+        out, state, boundary = gated_delta_decode_step(*self._heads_major(tokens), cache.state, cache.boundary,
+                                                       active & (row == BLOCK - 1), head_order=self.head_order)
         pending = write_row(cache.pending, tokens.packed(), row, active)
-        boundary = select_rows(active & (row == BLOCK - 1), state, cache.boundary)
         return jnp.swapaxes(out, 1, 2), (state, boundary, pending)
 
     def __call__(self, x, cache: DeltaNetCache, start, valid, *, chunked: bool, dtype, block_aligned: bool = False
@@ -151,6 +150,12 @@ class GatedDeltaNet(nnx.Module):
         pending rows), so the chunked form runs one block fewer; a wrong claim gives wrong results."""
         B, T, _ = x.shape
         x = x.astype(jnp.float32)
+        # Fields may come as LayerSlices of caches stacked over the scanned layers (decode): the decode step updates
+        # state, boundary and pending in their stacks (gated_delta_decode_step, write_row); every other use reads
+        # the layer's values.
+        cache = cache._replace(conv=layer_value(cache.conv))
+        if chunked:
+            cache = DeltaNetCache(*(layer_value(x) for x in cache))
         project = linear_many if dtype == jnp.float32 else split_linear_many
         valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
         qkv, z, b, a = project(x, [p.weight.get_value() for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
@@ -206,18 +211,26 @@ def first_rows(x, count):
     return jnp.where(keep[..., None], x, 0.0)
 
 
+def layer_value(x):
+    """A cache field's array (a LayerSlice's layer taken out of its stack)."""
+    return x.take() if isinstance(x, LayerSlice) else x
+
+
 def write_row(rows, token, row, active):
     """rows [B, BLOCK, width] with token [B, 1, width] written at row `row` [B] of the active sequences (idle ones'
-    target a row past the end: none written). A select rather than a scatter, so XLA can fuse it with the write of
-    the layer's slice back into the stacked cache."""
+    target a row past the end: none written). An array gets a select (XLA fuses it with the write of the layer's
+    slice back into the stacked cache); a LayerSlice of the stacked rows gets the row scattered into the stack, so
+    one row is written, not the layer's whole [B, BLOCK, width] slice (2.6 MB per DeltaNet layer and step at the
+    27B shapes and batch 1)."""
+    if isinstance(rows, LayerSlice):
+        stack = rows.stacked  # [L, B, BLOCK, width]
+        target = jnp.where(active, row, stack.shape[2])
+        seqs = jnp.arange(stack.shape[1])
+        return LayerSlice(stack.at[rows.index, seqs, target].set(token[:, 0].astype(stack.dtype), mode="drop"),
+                          rows.index)
     target = jnp.where(active, row, rows.shape[1])
     at = jnp.arange(rows.shape[1])[None, :, None] == target[:, None, None]
     return jnp.where(at, token.astype(rows.dtype), rows)
-
-
-def select_rows(pick, x, y):
-    """x where pick [B] else y, per sequence."""
-    return jnp.where(pick.reshape(pick.shape + (1,) * (x.ndim - 1)), x, y)
 
 
 def as_cached(state):

@@ -102,5 +102,5 @@ def decode(graphdef, state, caches, ids, positions, start, active, *, dtype):
     model = _merge(graphdef, state)
     x = model.text.embed(ids[:, None], dtype)
     h, caches = model.text(x, positions[:, :, None], start, active[:, None], caches, chunked=False,
-                           weights_in_place="all")
+                           weights_in_place="all", caches_in_place=True)
     return model.text.logits(h[:, 0]), caches

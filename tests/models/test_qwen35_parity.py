@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen35_model_helpers import (EOS, FIXTURE, SPECS, Case, check_logits, compare_greedy, image_processor,
-                                  load_reference, luxjax_run, make_case, max_abs, reference, worst_row)
+from qwen35_model_helpers import (EOS, FIXTURE, FIXTURE_HF, SPECS, Case, check_logits, compare_greedy, image_processor,
+                                  load_reference, luxjax_run, make_case, max_abs, reference)
 
 LOGITS_TOL = 1e-3
 FEATURES_TOL = 1e-4
@@ -33,9 +33,11 @@ def test_fixture_logits(fixture_model_f32, name):
     case, ref = fixture_case(name)
     logits = fixture_model_f32.forward_logits(case.input_ids, case.image_inputs())
     assert logits.shape == ref["logits"].shape and logits.dtype == np.float32
-    diff = max_abs(logits, ref["logits"])
-    print(f"fixture {name}: {len(case.input_ids)} tokens, logits max |diff| {diff:.3g}")
-    assert diff <= LOGITS_TOL, f"{name}: logits differ by {diff:.3g} at position {worst_row(logits, ref['logits'])}"
+    # Past LOGITS_TOL, transformers' float64 logits arbitrate (check_logits): on an Intel Xeon CPU the two_images
+    # case measured 1.18e-3 at its worst position (jaxlib 0.10.2; earlier machines: within 1e-3), for the code
+    # before and after the change that first ran there.
+    measured = check_logits(logits, ref["logits"], LOGITS_TOL, f"fixture {name}", FIXTURE_HF, case)
+    print(f"fixture {name}: {len(case.input_ids)} tokens, {measured}")
 
 
 @pytest.mark.parametrize("name", ["one_image", "two_images"])

@@ -12,7 +12,6 @@ SWEEP and reports the fastest; without it, the default tiles.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.quant_plan import random_packed  # noqa: E402
-from benchmarks.timing import call_kernels_ms, median_ms  # noqa: E402
+from benchmarks.timing import call_kernels_ms, median_ms, write_rows  # noqa: E402
 from luxjax.checkpoint.quants import dequantize  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
 from pallas_kernels import quant_dequantize as qd  # noqa: E402
@@ -100,9 +99,7 @@ def main():
         print(f"| {r['format']} | {r['out']} x {r['in']} | {r['xla_decode_ms']:.3f} | {r['kernel_ms']:.3f} "
               f"{r['kernel_tiles']} | {r['kernel_TBps']:.2f} | {r['kernel_natural_order_ms']:.3f} | "
               f"{r['product_xla_ms']:.3f} | {r['product_kernel_ms']:.3f} | {r['product_natural_order_ms']:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ trace (wall time on a CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.quant_plan import random_packed  # noqa: E402
-from benchmarks.timing import call_kernels_ms, median_ms  # noqa: E402
+from benchmarks.timing import call_kernels_ms, median_ms, write_rows  # noqa: E402
 from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
 from luxjax.ops.linear import vendor_matmul  # noqa: E402
@@ -123,9 +122,7 @@ def main():
     for r in rows:
         print(f"| {r['out']} x {r['in']} | {r['axis']} | {r['pieces']} | {r['piece_MB']:.1f} | {r['packed_ms']:.3f} "
               f"| {r['dense_ms']:.3f} | {r['packed_ms'] - r['dense_ms']:.3f} | {r['rel_diff_vs_whole']:.1e} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

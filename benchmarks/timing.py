@@ -91,3 +91,10 @@ def call_kernels_ms(fn, *args, calls: int = 5, warmups: int = 2) -> float | None
     profiler trace of `calls` calls; None where the trace holds no GPU kernel (on a CPU)."""
     events = _traced_kernels(fn, *args, calls=calls, warmups=warmups)
     return sum(us for _, us in events) / calls / 1e3 if events else None
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """A benchmark's result rows as JSON at `path` (nothing for None), with the device and JAX version."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)

@@ -1,4 +1,5 @@
-"""Gated DeltaNet kernels: the recurrent (decode) update and the scan of the chunked (prefill) form.
+"""Gated DeltaNet kernels: the recurrent (decode) update, the in-place decode step on layer-stacked states, and the
+scan of the chunked (prefill) form.
 
 The recurrence acts on each column of the state S [dk, dv] independently (S^T k, the rank-one update and
 S^T q all keep columns apart), so programs split dv into blocks: grid (B, H, dv / block_v), the state block
@@ -330,7 +331,8 @@ def gated_delta_decode_step(q, k, v, g, beta, state, boundary, layer, pick, *, h
     Returns (out [B, H, dv] float32, state, boundary), the stacks aliased to the inputs (in place in a layer scan's
     carry): of layer `layer`, every state row is rewritten and the boundary rows of the picked sequences; nothing else
     is read or written. As slices, XLA copied the layer's state out, rewrote it whole and rewrote the boundary on every
-    step (an H200 decode profile of the 27B: ~12 us per DeltaNet layer and step at batch 1)."""
+    step (an H200 decode profile of the 27B at batch 1: ~13 us per DeltaNet layer and step for the copies, XLA's two
+    reduce fusions and the write-backs; this kernel 3.7 us)."""
     B, k_heads, dk = q.shape
     H, dv = v.shape[1], v.shape[-1]
     if state.shape[1:] != (B, H, dv, dk) or boundary.shape != state.shape:

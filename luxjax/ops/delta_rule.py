@@ -218,7 +218,8 @@ def gated_delta_decode_step(q, k, v, g, beta, state, boundary, pick, *, head_ord
     pick [B] bool: sequences whose new state also becomes their boundary. Returns (out [B, H, 1, dv], state,
     boundary): LayerSlices of the updated stacks, stepped where they lie by the Pallas kernel where
     luxjax.ops.backend chooses it, else the recurrent form's state (an array) and the boundary written for the picked
-    sequences (a select, or a scatter into a LayerSlice's stack)."""
+    sequences (a select, or a scatter into a LayerSlice's stack). (gated_delta_rule's recurrent form stays on XLA:
+    on separate arrays XLA's fusion was as fast; on the stacks the kernel saves the copies, see its docstring.)"""
     if (isinstance(state, LayerSlice) and isinstance(boundary, LayerSlice) and backend.use_pallas()
             and _kernel_supported(q, v) and head_order in HEAD_ORDERS):
         from pallas_kernels.gated_delta import gated_delta_decode_step as kernel

@@ -51,8 +51,8 @@ def test_decode_attention_reads_a_layer_of_stacked_caches(seed, interpret, dtype
 
 
 def test_write_kv_into_a_layer_of_stacked_caches(seed):
-    """write_kv on a LayerSlice writes the rows an array cache gets into that layer of the stack, nothing else
-    (invalid tokens and rows past the end dropped alike)."""
+    """write_kv on a LayerSlice writes each valid token's row into that layer of the stack and nothing else (invalid
+    tokens and rows past the end dropped), against a plain loop."""
     from luxjax.ops.attention import write_kv
     from luxjax.ops.linear import LayerSlice
 
@@ -64,8 +64,12 @@ def test_write_kv_into_a_layer_of_stacked_caches(seed):
     valid = jnp.asarray(rng.random((B, T)) < 0.7)
     layer = int(rng.integers(0, L))
     got = write_kv(LayerSlice(stack, jnp.int32(layer)), new, start, valid)
-    want = stack.at[layer].set(write_kv(stack[layer], new, start, valid))
-    np.testing.assert_array_equal(np.asarray(got.stacked), np.asarray(want))
+    want = np.array(stack)
+    for b in range(B):
+        for t in range(T):
+            if valid[b, t] and start[b] + t < S:
+                want[layer, b, start[b] + t] = new[b, t]
+    np.testing.assert_array_equal(np.asarray(got.stacked), want)
     assert int(got.index) == layer
 
 

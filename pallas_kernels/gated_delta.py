@@ -337,6 +337,8 @@ def gated_delta_decode_step(q, k, v, g, beta, state, boundary, layer, pick, *, h
     H, dv = v.shape[1], v.shape[-1]
     if state.shape[1:] != (B, H, dv, dk) or boundary.shape != state.shape:
         raise ValueError(f"state {state.shape} and boundary {boundary.shape} must be [L, {B}, {H}, {dv}, {dk}]")
+    if state.dtype != jnp.float32 or boundary.dtype != jnp.float32:  # updated in place: no conversion
+        raise ValueError(f"state and boundary must be float32, got {state.dtype} and {boundary.dtype}")
     if H % k_heads or dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"need {H} value heads sharing {k_heads} key heads, power-of-two dk={dk} and block_v="
                          f"{block_v} dividing dv={dv}")

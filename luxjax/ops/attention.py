@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from luxjax.ops import backend
-from luxjax.ops.linear import LayerSlice
+from luxjax.ops.linear import LayerSlice, layer_value
 
 
 def _pow2_head_dim(d: int) -> bool:
@@ -33,18 +33,13 @@ def cached_attention(q, k_cache, v_cache, start, *, scale: float):
             if isinstance(k_cache, LayerSlice) and isinstance(v_cache, LayerSlice):
                 return decode_attention(q, k_cache.stacked, v_cache.stacked, start, layer=k_cache.index,
                                         scale=scale, interpret=backend.interpret())
-            return decode_attention(q, _value(k_cache), _value(v_cache), start, scale=scale,
+            return decode_attention(q, layer_value(k_cache), layer_value(v_cache), start, scale=scale,
                                     interpret=backend.interpret())
         from pallas_kernels.prefill_attention import prefill_attention
 
-        return prefill_attention(q, _value(k_cache), _value(v_cache), start, scale=scale,
+        return prefill_attention(q, layer_value(k_cache), layer_value(v_cache), start, scale=scale,
                                  interpret=backend.interpret())
-    return xla_cached_attention(q, _value(k_cache), _value(v_cache), start, scale=scale)
-
-
-def _value(cache):
-    """A cache array (a LayerSlice's layer taken out of its stack)."""
-    return cache.take() if isinstance(cache, LayerSlice) else cache
+    return xla_cached_attention(q, layer_value(k_cache), layer_value(v_cache), start, scale=scale)
 
 
 def xla_cached_attention(q, k_cache, v_cache, start, *, scale: float):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from luxjax.ops import backend
-from luxjax.ops.linear import LayerSlice
+from luxjax.ops.linear import LayerSlice, layer_value
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -228,8 +228,8 @@ def gated_delta_decode_step(q, k, v, g, beta, state, boundary, pick, *, head_ord
                                          state.stacked, boundary.stacked, state.index, pick, head_order=head_order,
                                          interpret=backend.interpret())
         return out[:, :, None], LayerSlice(states, state.index), LayerSlice(boundaries, boundary.index)
-    state = state.take() if isinstance(state, LayerSlice) else state
-    out, new = gated_delta_rule(q, k, v, g, beta, jnp.swapaxes(state, -1, -2), chunked=False, head_order=head_order)
+    out, new = gated_delta_rule(q, k, v, g, beta, jnp.swapaxes(layer_value(state), -1, -2), chunked=False,
+                                head_order=head_order)
     new = jnp.swapaxes(new, -1, -2)
     if isinstance(boundary, LayerSlice):
         return out, new, boundary.put_sequences(pick, new)

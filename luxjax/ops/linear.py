@@ -53,6 +53,11 @@ class LayerSlice:
         return LayerSlice(stack, self.index)
 
 
+def layer_value(x):
+    """x itself, or a LayerSlice's layer taken out of its stack."""
+    return x.take() if isinstance(x, LayerSlice) else x
+
+
 def vendor_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., in] @ w.T for a dense w [out, in] by XLA's dot (cuBLAS on a GPU): float32 accumulation, one rounding
     to out_dtype (default x's). On a GPU a 16-bit result is asked of the GEMM itself: cuBLAS rounds its float32

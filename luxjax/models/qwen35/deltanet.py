@@ -27,7 +27,7 @@ from flax import nnx
 from luxjax.layers.basic import GatedRMSNorm, Linear, row_sum
 from luxjax.models.qwen35.config import TextConfig
 from luxjax.ops.delta_rule import gated_delta_decode_step, gated_delta_rule
-from luxjax.ops.linear import LayerSlice, linear_many, split_linear_many
+from luxjax.ops.linear import LayerSlice, layer_value, linear_many, split_linear_many
 
 
 BLOCK = 64  # the chunked form's block of tokens; prefill keeps the blocks at multiples of BLOCK from token 0
@@ -209,11 +209,6 @@ def first_rows(x, count):
     """x [B, rows, width] with the rows from count [B] on zeroed."""
     keep = jnp.arange(x.shape[1])[None, :] < count[:, None]
     return jnp.where(keep[..., None], x, 0.0)
-
-
-def layer_value(x):
-    """A cache field's array (a LayerSlice's layer taken out of its stack)."""
-    return x.take() if isinstance(x, LayerSlice) else x
 
 
 def write_row(rows, token, row, active):

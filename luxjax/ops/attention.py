@@ -64,11 +64,9 @@ def write_kv(cache, new, start, valid):
     with valid [B, T] set. Invalid tokens (chunk padding, idle slots) and rows past the end are dropped. A LayerSlice
     cache gets the rows written into its stack (returned as a LayerSlice of the new stack)."""
     if isinstance(cache, LayerSlice):
-        stack = cache.stacked  # [L, B, S, H, D]
-        B, T = new.shape[:2]
-        rows = jnp.where(valid, start[:, None] + jnp.arange(T)[None, :], stack.shape[2])
-        seqs = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        return LayerSlice(stack.at[cache.index, seqs, rows].set(new.astype(stack.dtype), mode="drop"), cache.index)
+        B, T = new.shape[:2]  # the stack: [L, B, S, H, D]
+        rows = jnp.where(valid, start[:, None] + jnp.arange(T)[None, :], cache.stacked.shape[2])
+        return cache.scatter((jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)), rows), new)
     S = cache.shape[1]
 
     def one(c, n, s, v):

@@ -44,13 +44,17 @@ class LayerSlice:
     def take(self) -> Weight:
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stacked)
 
+    def scatter(self, indices: tuple, value: jax.Array) -> LayerSlice:
+        """For a stacked cache: `value` written at stacked[index, *indices] (indices past the end dropped), the stack
+        updated where it lies instead of the layer's whole slice being rewritten."""
+        stack = self.stacked.at[(self.index, *indices)].set(value.astype(self.stacked.dtype), mode="drop")
+        return LayerSlice(stack, self.index)
+
     def put_sequences(self, pick: jax.Array, value: jax.Array) -> LayerSlice:
         """For a stacked cache [L, B, ...]: this layer with value [B, ...] written for the sequences where pick [B]
-        holds, by a scatter, so the other sequences' rows are not rewritten."""
+        holds (the other sequences' rows are not rewritten)."""
         batch = self.stacked.shape[1]
-        target = jnp.where(pick, jnp.arange(batch), batch)  # past the end: dropped
-        stack = self.stacked.at[self.index, target].set(value.astype(self.stacked.dtype), mode="drop")
-        return LayerSlice(stack, self.index)
+        return self.scatter((jnp.where(pick, jnp.arange(batch), batch),), value)  # past the end: dropped
 
 
 def layer_value(x):

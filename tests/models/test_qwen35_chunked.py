@@ -325,6 +325,8 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
     and logits as steps on the layers' slices: random cache contents, one sequence completing a 64-token DeltaNet
     block (its boundary moves) beside an idle one, then both active. The fixture's layers stack two deep, so a
     kernel reading the wrong layer shows."""
+    from functools import partial
+
     import jax.numpy as jnp
     from flax import nnx
 
@@ -340,7 +342,7 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
     seed = (session_seed + IN_PLACE_SEED_OFFSET) % 2**31
     rng = np.random.default_rng(seed)
 
-    @jax.jit
+    @partial(jax.jit, static_argnames="in_place")
     def step(caches, ids, start, active, in_place):
         text = nnx.merge(graphdef, state).text
         x = text.embed(ids[:, None], jnp.float32)
@@ -349,7 +351,6 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
                          caches_in_place=in_place)
         return text.logits(h[:, 0]), caches
 
-    step = jax.jit(step.__wrapped__, static_argnames="in_place")
     empty = backend.init_cache(2, 256)
     caches = jax.tree.map(lambda c: jnp.asarray(rng.standard_normal(c.shape), c.dtype), empty)
     ids = jnp.asarray(rng.integers(0, 1000, 2), jnp.int32)

@@ -153,9 +153,8 @@ class GatedDeltaNet(nnx.Module):
         # Fields may come as LayerSlices of caches stacked over the scanned layers (decode): the decode step updates
         # state, boundary and pending in their stacks (gated_delta_decode_step, write_row); every other use reads
         # the layer's values.
-        cache = cache._replace(conv=layer_value(cache.conv))
-        if chunked:
-            cache = DeltaNetCache(*(layer_value(x) for x in cache))
+        cache = DeltaNetCache(*(layer_value(x) for x in cache)) if chunked else cache._replace(
+            conv=layer_value(cache.conv))
         project = linear_many if dtype == jnp.float32 else split_linear_many
         valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
         qkv, z, b, a = project(x, [p.weight.get_value() for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
@@ -218,11 +217,8 @@ def write_row(rows, token, row, active):
     one row is written, not the layer's whole [B, BLOCK, width] slice (2.6 MB per DeltaNet layer and step at the
     27B shapes and batch 1)."""
     if isinstance(rows, LayerSlice):
-        stack = rows.stacked  # [L, B, BLOCK, width]
-        target = jnp.where(active, row, stack.shape[2])
-        seqs = jnp.arange(stack.shape[1])
-        return LayerSlice(stack.at[rows.index, seqs, target].set(token[:, 0].astype(stack.dtype), mode="drop"),
-                          rows.index)
+        _, batch, block, _ = rows.stacked.shape  # [L, B, BLOCK, width]
+        return rows.scatter((jnp.arange(batch), jnp.where(active, row, block)), token[:, 0])
     target = jnp.where(active, row, rows.shape[1])
     at = jnp.arange(rows.shape[1])[None, :, None] == target[:, None, None]
     return jnp.where(at, token.astype(rows.dtype), rows)

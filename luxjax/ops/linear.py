@@ -216,22 +216,51 @@ def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
     return split_linear_many(x, (w,))[0]
 
 
-def split_linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
-    """(split_linear(x, w) for w in ws): prefill-sized products of dense layer slices by the in-place GEMM taking
-    both parts at once (dense_gemm.stacked_gemm's x_lo); the rest through linear_many. Packed weights with few
-    enough rows for the fused kernel's GEMV reduce take x in float32 as it is instead (exact float32 products, the
-    weight decoded once): there the two parts would double the kernel's multiply-adds or, as stacked rows, send
-    it to its slower tensor-core regime (4x slower in an H200 decode step)."""
+def split_linear_many(x: jax.Array, ws, low_rows=None) -> tuple[jax.Array, ...]:
+    """(split_linear(x, w) for w in ws), float32 results: prefill-sized products of dense layer slices by the
+    in-place GEMM taking both parts at once (dense_gemm.stacked_gemm's x_lo); the rest through linear_many. Packed
+    weights with few enough rows for the fused kernel's GEMV reduce take x in float32 as it is instead (exact float32
+    products, the weight decoded once): there the two parts would double the kernel's multiply-adds or, as stacked
+    rows, send it to its slower tensor-core regime (4x slower in an H200 decode step).
+
+    low_rows (prefill-sized products only): per weight, how many of its leading output rows get the low part's
+    product (None: all; 0: none, an ordinary bf16 product of x rounded to bf16): in prefill the low part is a second
+    GEMM as costly as the first, and only outputs whose consumers amplify the input rounding need it. Decode-sized
+    products keep both parts on every row (or x whole in the GEMV reduce), which costs them nothing more."""
     ws = tuple(ws)
+    low_rows = tuple(_out_features(w) if r is None else r for w, r in zip(ws, low_rows or (None,) * len(ws)))
     rows = math.prod(x.shape[:-1])
     direct = [backend.use_pallas() and _reduces(rows, w) for w in ws]
-    if any(direct):
-        out = [linear(x, w, jnp.float32) if take else None for w, take in zip(ws, direct)]
-        rest = [i for i, y in enumerate(out) if y is None]
-        for i, y in zip(rest, _split_products(x, [ws[i] for i in rest])):
-            out[i] = y
-        return tuple(out)
-    return _split_products(x, ws)
+    out = [linear(x, w, jnp.float32) if take else None for w, take in zip(ws, direct)]
+    rest = [i for i, y in enumerate(out) if y is None]
+    for i, y in zip(rest, _split_products(x, [ws[i] for i in rest], [low_rows[i] for i in rest])):
+        out[i] = y
+    return tuple(out)
+
+
+def _out_features(w) -> int:
+    """W's output rows (of one layer, for a LayerSlice)."""
+    if isinstance(w, LayerSlice):
+        return w.stacked.shape[0] if isinstance(w.stacked, QuantizedTensor) else w.stacked.shape[1]
+    return w.shape[0]
+
+
+def leading_rows(w: Weight | LayerSlice, count: int) -> Weight:
+    """The first `count` output rows of W [out, in] (of its layer, for a LayerSlice) as a weight of their own: every
+    array cut along its rows, a packed tensor's planes too (ggml blocks run within a row)."""
+    base = w.stacked if isinstance(w, LayerSlice) else w
+
+    def cut(a):
+        if isinstance(w, LayerSlice):
+            return lax.dynamic_slice(a, (w.index,) + (0,) * (a.ndim - 1), (1, count) + a.shape[2:])[0]
+        return a[:count]
+
+    if isinstance(base, QuantizedTensor):
+        if len(base.shape) != 2:
+            raise ValueError(f"leading_rows takes a matrix, got a packed tensor of shape {base.shape}")
+        return QuantizedTensor({name: cut(p) for name, p in base.planes.items()}, base.ggml_type,
+                               (count, base.shape[1]), base.dtype)
+    return cut(base)
 
 
 def _reduces(rows: int, w) -> bool:
@@ -241,20 +270,57 @@ def _reduces(rows: int, w) -> bool:
             and rows <= KERNEL_FORMATS[w.ggml_type].reduce_rows)
 
 
-def _split_products(x: jax.Array, ws) -> tuple[jax.Array, ...]:
-    """split_linear for each of ws, x split into its two bf16 parts."""
+def _split_products(x: jax.Array, ws, low_rows) -> tuple[jax.Array, ...]:
+    """split_linear for each of ws, x split into its two bf16 parts; prefill-sized products take the low part's on
+    the leading low_rows of each only (split_linear_many)."""
     hi = x.astype(jnp.bfloat16)
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     rows = math.prod(x.shape[:-1])
-    if any(isinstance(w, (LayerSlice, QuantizedTensor)) for w in ws) and rows <= _PALLAS_MAX_ROWS < 2 * rows:
-        # both parts on the decode kernels: one call each rather than a stack too tall for them
-        return tuple(a + b for a, b in zip(linear_many(hi, ws, jnp.float32), linear_many(lo, ws, jnp.float32)))
-    out = [_split_in_place_gemm(hi, lo, w) for w in ws]
+    partly = [rows > _PALLAS_MAX_ROWS and r < _out_features(w) for w, r in zip(ws, low_rows)]
+    out = [_partly_split_product(hi, lo, w, r) if p else None for w, r, p in zip(ws, low_rows, partly)]
     rest = [i for i, y in enumerate(out) if y is None]
-    if rest:
-        for i, both in zip(rest, linear_many(jnp.stack([hi, lo]), [ws[i] for i in rest], jnp.float32)):
-            out[i] = both[0] + both[1]
+    rest_ws = [ws[i] for i in rest]
+    if any(isinstance(w, (LayerSlice, QuantizedTensor)) for w in rest_ws) and rows <= _PALLAS_MAX_ROWS < 2 * rows:
+        # both parts on the decode kernels: one call each rather than a stack too tall for them
+        both = zip(linear_many(hi, rest_ws, jnp.float32), linear_many(lo, rest_ws, jnp.float32))
+        for i, (y_hi, y_lo) in zip(rest, both):
+            out[i] = y_hi + y_lo
+        return tuple(out)
+    for i in rest:
+        out[i] = _split_in_place_gemm(hi, lo, ws[i])
+    stacked = [i for i in rest if out[i] is None]
+    for i, both in zip(stacked, linear_many(jnp.stack([hi, lo]), [ws[i] for i in stacked], jnp.float32)):
+        out[i] = both[0] + both[1]
     return tuple(out)
+
+
+def _partly_split_product(hi: jax.Array, lo: jax.Array, w, low_rows: int) -> jax.Array:
+    """hi @ W.T + lo @ W[:low_rows].T, float32, for low_rows below W's rows: the low part's GEMM on the leading
+    rows only."""
+    if low_rows == 0:
+        return linear(hi, w, jnp.float32)
+    decoded = _decoded_for_prefill(w)
+    if decoded is not None:  # decoded once for both GEMMs
+        w, leading = decoded, decoded[:low_rows]
+    else:
+        leading = leading_rows(w, low_rows)
+    y, y_lo = linear(hi, w, jnp.float32), linear(lo, leading, jnp.float32)
+    return jnp.concatenate([y[..., :low_rows] + y_lo, y[..., low_rows:]], axis=-1)
+
+
+def _decoded_for_prefill(w) -> jax.Array | None:
+    """Packed w (or its layer) as the bf16 matrix a prefill-sized product reads, decoded by the Pallas dequantize
+    kernel (in W's own column order), or None where prefill does not take that path (dense w, XLA chosen, formats
+    without the kernel)."""
+    base, layer = (w.stacked, w.index) if isinstance(w, LayerSlice) else (w, None)
+    if not (isinstance(base, QuantizedTensor) and backend.use_pallas()):
+        return None
+    from pallas_kernels import quant_dequantize
+
+    if not quant_dequantize.supported(base, jnp.bfloat16, stacked=layer is not None):
+        return None
+    return quant_dequantize.dequantize_in_kernel_order(base, layer, dtype=jnp.bfloat16, natural_order=True,
+                                                       interpret=backend.interpret())
 
 
 def _split_in_place_gemm(hi: jax.Array, lo: jax.Array, w) -> jax.Array | None:

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
+from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import dense_gemm
 from pallas_kernels.dense_gemv import BlockSizes, split_count, stacked_gemv, stacked_gemv_reference
+from pallas_kernels.quant_decode import KERNEL_FORMATS
 from pallas_kernels.quant_matmul import stacked_quant_matmul
 from test_quant_matmul import check, random_weight
 
@@ -219,3 +221,64 @@ def test_linear_many_projects_one_input_in_one_launch(monkeypatch, seed, x_dtype
     mixed = [sliced[0], LayerSlice(stack([packed] * layers), jnp.int32(layer))]
     linear_mod.linear_many(jnp.ones((1, k), x_dtype), mixed)
     assert not any(launches), "a packed weight among them: no fused launch"
+
+
+@pytest.mark.parametrize("weight", ["bf16", "Q4_K", "bf16 stacked", "Q4_K stacked"])
+@pytest.mark.parametrize("pallas", [False, True])
+def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
+    """split_linear_many's low_rows: in a prefill-sized product the leading rows asked for get float32-level
+    products of x, the others (and a weight given 0) the product of x rounded to bf16; decode-sized products give
+    every row the float32-level product. Oracle: float64 products of gguf's dequantized W (as bf16 matmuls see it,
+    rounded to bf16, except where the GEMV reduce takes x whole) with x or with x rounded to bf16."""
+    rng = np.random.default_rng(seed)
+    out, k, layers = 64, 512, 3
+    layer = int(rng.integers(0, layers))
+    if weight.startswith("bf16"):
+        stacked = jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16)
+        dense = np.asarray(stacked[layer].astype(jnp.float32), np.float64)
+        w = LayerSlice(stacked, jnp.int32(layer)) if "stacked" in weight else stacked[layer]
+    else:
+        pairs = [random_weight(rng, T.Q4_K, out, k) for _ in range(layers)]
+        dense = pairs[layer][1]
+        w = LayerSlice(stack([p for p, _ in pairs]), jnp.int32(layer)) if "stacked" in weight else pairs[layer][0]
+    monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    low = int(rng.integers(1, out))
+    rounded_w = np.asarray(jnp.asarray(dense, jnp.bfloat16).astype(jnp.float32), np.float64)
+    for rows in (3, 40):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+        reduce = pallas and weight.startswith("Q4_K") and rows <= KERNEL_FORMATS[T.Q4_K].reduce_rows
+        w64 = dense if reduce else rounded_w
+        exact, of_rounded_x = x.astype(np.float64) @ w64.T, x_bf16 @ w64.T
+        scale = (np.abs(x.astype(np.float64)) @ np.abs(w64).T).max()
+        some, none = (np.asarray(y, np.float64) for y in linear_mod.split_linear_many(jnp.asarray(x), [w, w], (low, 0)))
+        where = f"{weight} rows {rows} low_rows {low} layer {layer} pallas {pallas} seed {seed}"
+        decode_sized = rows <= linear_mod._PALLAS_MAX_ROWS
+        expected_split = (("some", some, out if decode_sized else low), ("none", none, out if decode_sized else 0))
+        for name, got, split_rows in expected_split:
+            err_split = np.abs(got[:, :split_rows] - exact[:, :split_rows]).max(initial=0.0)
+            err_rounded = np.abs(got[:, split_rows:] - of_rounded_x[:, split_rows:]).max(initial=0.0)
+            assert err_split <= 2e-5 * scale, f"{where} ({name}): split rows off by {err_split:.3g} of {scale:.3g}"
+            assert err_rounded <= 2e-5 * scale, f"{where} ({name}): other rows off by {err_rounded:.3g} of {scale:.3g}"
+        if not decode_sized:  # the rounding is visible: the test tells the two apart
+            assert np.abs(of_rounded_x - exact).max() > 5 * 2e-5 * scale, where
+
+
+def test_leading_rows_of_packed_and_stacked_weights(seed):
+    """leading_rows gives the first rows of a packed weight, of a stacked one's layer, and of dense arrays, as weights
+    whose values are gguf's dequantization of those rows."""
+    rng = np.random.default_rng(seed)
+    out, k, layers = 48, 256, 3
+    count, layer = int(rng.integers(1, out)), int(rng.integers(0, layers))
+    pairs = [random_weight(rng, T.Q4_K, out, k) for _ in range(layers)]
+    dense_stack = jnp.asarray(rng.standard_normal((layers, out, k)), jnp.float32)
+    cases = [(pairs[layer][0], pairs[layer][1]),
+             (LayerSlice(stack([p for p, _ in pairs]), jnp.int32(layer)), pairs[layer][1]),
+             (dense_stack[layer], np.asarray(dense_stack[layer])),
+             (LayerSlice(dense_stack, jnp.int32(layer)), np.asarray(dense_stack[layer]))]
+    for w, want in cases:
+        rows = linear_mod.leading_rows(w, count)
+        got = np.asarray(dequantize(rows, jnp.float32)) if isinstance(rows, QuantizedTensor) else np.asarray(rows)
+        assert got.shape == (count, k), (type(w).__name__, got.shape)
+        np.testing.assert_array_equal(got, want[:count].astype(np.float32), err_msg=f"{type(w).__name__} seed {seed}")

@@ -1,11 +1,16 @@
 """Gated DeltaNet layer of the Qwen3.5 decoder: causal depthwise conv with state, beta/decay gates,
 L2-normalised q/k, the gated delta rule (fp32 state), gated RMSNorm output.
 
-The layer works on float32 activations in both compute modes. In bfloat16 mode its projections take their float32
-inputs through ops.linear.split_linear (two bf16 products) rather than rounding them to bf16: measured on the
-fixture against float32, rounding this layer's activations to bf16 was most of bf16 mode's error (with
-split_linear: logit RMS error 0.343 -> 0.213, top-1 agreement 91.6% -> 94.1%; transformers' own bf16: 0.367,
-92.3%), while rounding the weights alone costs nothing measurable.
+The layer works on float32 activations in both compute modes. In bfloat16 mode the projections whose outputs
+feed q, k, beta and the decay take their float32 inputs through ops.linear.split_linear_many (x's bf16 high and low
+parts through bf16 products) rather than rounding them to bf16: rounding this layer's inputs to bf16 was most of
+bf16 mode's error, and nearly all of that through q and k. Measured against transformers' float32 logits on random
+checkpoints (RMS error, ratio2-interval3 seeds 11 / 22 / 33, three image prompts each): every projection split
+0.081 / 0.096 / 0.066; q, k, beta and the decay split (the rule since) 0.089 / 0.103 / 0.077; none split 0.094 /
+0.114 / 0.094; transformers' own bf16 0.121 / 0.123 / 0.152. In prefill each split output costs a second GEMM:
+splitting all of them took 17 ms of a 1,012-token prefill of the 27B shapes on an H200 (benchmarks/RESULTS.md,
+2026-12-02, session 17), v, z and the output projection about 13 of it. Rounding the weights alone costs nothing
+measurable.
 
 Prefill runs the chunked form on blocks of 64 tokens counted from the sequence start, whatever the prefill chunks:
 the cache keeps, besides the current state, the state at the last multiple of 64 tokens and the delta-rule inputs
@@ -146,8 +151,9 @@ class GatedDeltaNet(nnx.Module):
                  ) -> tuple[jax.Array, DeltaNetCache]:
         """x [B, T, hidden] float32; start [B] tokens already cached; valid [B, T] bool (a prefix of each row):
         padded tokens leave the state unchanged. `dtype`: the compute mode (bfloat16: projections through
-        split_linear). block_aligned (chunked form): the caller knows every start is a multiple of BLOCK (no
-        pending rows), so the chunked form runs one block fewer; a wrong claim gives wrong results."""
+        split_linear_many, see the module doc). block_aligned (chunked form): the caller knows every start is a
+        multiple of BLOCK (no pending rows), so the chunked form runs one block fewer; a wrong claim gives wrong
+        results."""
         B, T, _ = x.shape
         x = x.astype(jnp.float32)
         # Fields may come as LayerSlices of caches stacked over the scanned layers (decode): the decode step updates
@@ -155,10 +161,9 @@ class GatedDeltaNet(nnx.Module):
         # the layer's values.
         cache = DeltaNetCache(*(layer_value(x) for x in cache)) if chunked else cache._replace(
             conv=layer_value(cache.conv))
-        project = linear_many if dtype == jnp.float32 else split_linear_many
         valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
-        qkv, z, b, a = project(x, [p.weight.get_value() for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                                                  self.in_proj_a)])
+        qkv, z, b, a = self._project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a),
+                                     (2 * self.k_heads * self.k_dim, 0, None, None), dtype)
         z = z.reshape(B, T, self.v_heads, self.v_dim)
         qkv, new_conv = self._conv(qkv, cache.conv, valid_len)
         key_dim = self.k_heads * self.k_dim
@@ -182,7 +187,17 @@ class GatedDeltaNet(nnx.Module):
             out, (state, boundary, pending) = self._decode_rule(tokens, cache, start, valid)
         out = self.norm(out.astype(x.dtype), z).reshape(B, T, self.v_heads * self.v_dim)
         new_cache = DeltaNetCache(new_conv.astype(cache.conv.dtype), state, boundary, pending)
-        return project(out, [self.out_proj.weight.get_value()])[0], new_cache
+        return self._project(out, (self.out_proj,), (0,), dtype)[0], new_cache
+
+    @staticmethod
+    def _project(x, linears, low_rows, dtype):
+        """The projections of float32 x: float32 products in float32 mode; in bfloat16 mode split_linear_many, whose
+        low_rows say which outputs also get x's low part in prefill (module doc): q and k (the leading rows of
+        in_proj_qkv), beta's and the decay's."""
+        weights = [p.weight.get_value() for p in linears]
+        if dtype == jnp.float32:
+            return linear_many(x, weights)
+        return split_linear_many(x, weights, low_rows)
 
 
 def place_after_pending(pending, chunk, offset, buffer_rows: int):

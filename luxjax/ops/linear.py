@@ -107,13 +107,21 @@ def _int8_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -
 def _dequantized_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
     """x @ W.T (W[layer].T for a stacked w) for a prefill-sized x: W decoded by the Pallas dequantize kernel, then
     one vendor GEMM; None for decode-sized x (the fused GEMV's) or where the kernel does not take w."""
+    if math.prod(x.shape[:-1]) <= _PALLAS_MAX_ROWS or not _dequantize_kernel_takes(w, x.dtype, layer):
+        return None
     from pallas_kernels import quant_dequantize
 
-    if math.prod(x.shape[:-1]) <= _PALLAS_MAX_ROWS or not backend.use_pallas():
-        return None
-    if not quant_dequantize.supported(w, x.dtype, stacked=layer is not None):
-        return None
     return quant_dequantize.dequantized_matmul(x, w, layer, out_dtype=out_dtype, interpret=backend.interpret())
+
+
+def _dequantize_kernel_takes(w: QuantizedTensor, dtype, layer) -> bool:
+    """Whether prefill decodes packed w (its layer `layer`, when stacked) to `dtype` by the Pallas dequantize
+    kernel."""
+    if not backend.use_pallas():
+        return False
+    from pallas_kernels import quant_dequantize
+
+    return quant_dequantize.supported(w, dtype, stacked=layer is not None)
 
 
 def _kernel_applies(x: jax.Array, w: Weight) -> bool:
@@ -228,7 +236,8 @@ def split_linear_many(x: jax.Array, ws, low_rows=None) -> tuple[jax.Array, ...]:
     GEMM as costly as the first, and only outputs whose consumers amplify the input rounding need it. Decode-sized
     products keep both parts on every row (or x whole in the GEMV reduce), which costs them nothing more."""
     ws = tuple(ws)
-    low_rows = tuple(_out_features(w) if r is None else r for w, r in zip(ws, low_rows or (None,) * len(ws)))
+    low_rows = tuple(_out_features(w) if r is None else r
+                     for w, r in zip(ws, low_rows or (None,) * len(ws), strict=True))
     rows = math.prod(x.shape[:-1])
     direct = [backend.use_pallas() and _reduces(rows, w) for w in ws]
     out = [linear(x, w, jnp.float32) if take else None for w, take in zip(ws, direct)]
@@ -313,12 +322,10 @@ def _decoded_for_prefill(w) -> jax.Array | None:
     kernel (in W's own column order), or None where prefill does not take that path (dense w, XLA chosen, formats
     without the kernel)."""
     base, layer = (w.stacked, w.index) if isinstance(w, LayerSlice) else (w, None)
-    if not (isinstance(base, QuantizedTensor) and backend.use_pallas()):
+    if not (isinstance(base, QuantizedTensor) and _dequantize_kernel_takes(base, jnp.bfloat16, layer)):
         return None
     from pallas_kernels import quant_dequantize
 
-    if not quant_dequantize.supported(base, jnp.bfloat16, stacked=layer is not None):
-        return None
     return quant_dequantize.dequantize_in_kernel_order(base, layer, dtype=jnp.bfloat16, natural_order=True,
                                                        interpret=backend.interpret())
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from benchmarks.quant_plan import random_packed  # noqa: E402
-from benchmarks.timing import kernel_ms, median_ms  # noqa: E402
+from benchmarks.timing import call_kernels_ms, kernel_ms, median_ms  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
 from luxjax.ops.linear import _xla_linear  # noqa: E402
 from pallas_kernels import dense_gemv, quant_gemv_int8 as qi, quant_matmul as qm  # noqa: E402
@@ -239,19 +239,109 @@ def int8_sweep(deadline: float, key, first_sweep: bool = True) -> list[dict]:
             for name, bs in variants:
                 if time.time() > deadline or (name == "int8" and out % bs.block_n):
                     continue
-                try:
-                    ms, wall = layer_ms("IQ4_XS", bs, x, stacked, layers, repeats=7)
-                except Exception as e:  # noqa: BLE001
-                    print(f"int8 sweep {bs}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+                row = iq4_row(bs, x, stacked, layers, nbytes, out, kernel=name)
+                if row is None:
                     continue
-                rows.append({"out": out, "in": k, "m": m, "x": jnp.dtype(dtype).name, "kernel": name,
-                             "gb_s": nbytes / ms / 1e6, "scan_gb_s": nbytes / wall / 1e6, "block_sizes": str(bs)})
-                print(json.dumps(rows[-1]), flush=True)
+                rows.append(row)
                 if first and name == "int8":
                     ranked.append(bs)
             if first:  # fastest first
                 ranked.sort(key=lambda bs: -next(r["gb_s"] for r in rows if r["block_sizes"] == str(bs)))
         del stacked
+    return rows
+
+
+# The int8 GEMV's streaming options (BlockSizes.prefetch / tiles) against the tiles of session 15 (16 rows, 4 blocks
+# per K step, 8 warps, no prefetch), per decode product of the 27B: (out, in, rows, x dtype).
+STREAM_CASES = [(17408, 5120, 1, jnp.bfloat16), (17408, 5120, 1, jnp.float32), (5120, 17408, 1, jnp.bfloat16),
+                (10240, 5120, 1, jnp.float32), (6144, 5120, 1, jnp.float32), (12288, 5120, 1, jnp.bfloat16),
+                (5120, 6144, 1, jnp.float32), (1024, 5120, 1, jnp.bfloat16), (17408, 5120, 4, jnp.bfloat16)]
+STREAM_VARIANTS = [qi.BlockSizes(16, 4, 8), qi.BlockSizes(16, 4, 8, prefetch=True), qi.BlockSizes(16, 2, 8),
+                   qi.BlockSizes(16, 2, 8, prefetch=True), qi.BlockSizes(16, 2, 4, prefetch=True),
+                   qi.BlockSizes(8, 4, 8, prefetch=True), qi.BlockSizes(8, 2, 4, prefetch=True),
+                   qi.BlockSizes(32, 2, 8, prefetch=True), qi.BlockSizes(16, 4, 4, prefetch=True),
+                   qi.BlockSizes(16, 2, 8, prefetch=True, tiles=2), qi.BlockSizes(16, 2, 8, prefetch=True, tiles=4),
+                   qi.BlockSizes(16, 4, 8, prefetch=True, tiles=4), qi.BlockSizes(16, 2, 8, tiles=4),
+                   qi.BlockSizes(16, 1, 8, prefetch=True), qi.BlockSizes(16, 1, 4, prefetch=True)]
+# Products of one input in a 27B decode step: (name, [out rows of each weight], x dtype, rows of x).
+PRODUCT_GROUPS = [("MLP gate + up", [17408, 17408], jnp.bfloat16, 1),
+                  ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], jnp.float32, 1),
+                  ("attention q + k + v", [12288, 1024, 1024], jnp.bfloat16, 1),
+                  ("MLP gate + up, batch 4", [17408, 17408], jnp.bfloat16, 4)]
+
+
+def iq4_row(bs, x, stacked, layers: int, nbytes: int, out: int, **labels) -> dict | None:
+    """One timed IQ4_XS product x @ W[layer].T in the layer scan as a printed result row (None where its tiles fail
+    to compile, e.g. over the shared-memory limit)."""
+    try:
+        ms, wall = layer_ms("IQ4_XS", bs, x, stacked, layers, repeats=7)
+    except Exception as e:  # noqa: BLE001
+        print(f"IQ4_XS {bs}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+    (m, k) = x.shape
+    row = {"out": out, "in": k, "m": m, "x": jnp.dtype(x.dtype).name, **labels, "ms": ms,
+           "gb_s": nbytes / ms / 1e6, "scan_gb_s": nbytes / wall / 1e6, "block_sizes": str(bs)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def stream_sweep(deadline: float, key) -> list[dict]:
+    """Every streaming variant on the first case, then the old tiles and the best four on the rest (kernel time from
+    a trace of the layer scan, as --int8-sweep)."""
+    rows, ranked = [], []
+    for case_i, (out, k, m, dtype) in enumerate(STREAM_CASES):
+        stacked, layers, nbytes = stacked_weight("IQ4_XS", out, k, key)
+        x = jax.random.normal(key, (m, k), dtype)
+        tried = STREAM_VARIANTS if case_i == 0 else list(dict.fromkeys([STREAM_VARIANTS[0], *ranked[:4]]))
+        for bs in tried:
+            if time.time() > deadline or out % (bs.block_n * bs.tiles):
+                continue
+            row = iq4_row(bs, x, stacked, layers, nbytes, out)
+            if row is None:
+                continue
+            rows.append(row)
+            if case_i == 0:
+                ranked.append((row["ms"], bs))
+        if case_i == 0:
+            ranked = [bs for _, bs in sorted(ranked, key=lambda r: r[0])]
+        del stacked
+    return rows
+
+
+def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
+    """The products of one input as separate launches (each quantizing x) and as one int8_quant_matmul_many launch,
+    in a scan over stacked layers: all GPU kernels per layer (quantization and the chain's small ops included) and
+    the scan's wall time per layer."""
+    rows = []
+    for name, outs, dtype, m in PRODUCT_GROUPS:
+        k = 5120
+        per_layer = sum(random_packed((n, k), T.IQ4_XS, key, jnp.bfloat16).nbytes for n in outs)
+        layers = max(2, -(-STACK_BYTES // per_layer))
+        ws = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[
+            random_packed((n, k), T.IQ4_XS, jax.random.fold_in(key, 100 * j + i), jnp.bfloat16)
+            for i in range(layers)]) for j, n in enumerate(outs))
+        x = jax.random.normal(key, (m, k), dtype)
+        for how, bs in [("separate", None), ("separate", block_sizes), ("one launch", None),
+                        ("one launch", block_sizes)]:
+            if time.time() > deadline:
+                break
+
+            def run(x, ws, how=how, bs=bs):
+                def body(h, i):
+                    if how == "separate":
+                        ys = [qi.int8_quant_matmul(h, w, i, block_sizes=bs, interpret=backend.interpret()) for w in ws]
+                    else:
+                        ys = qi.int8_quant_matmul_many(h, ws, i, block_sizes=bs, interpret=backend.interpret())
+                    return chain(h, jnp.concatenate(ys, axis=-1)), None
+                return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+            fn = jax.jit(run)
+            wall = median_ms(fn, x, ws, repeats=9) / layers
+            gpu = (call_kernels_ms(fn, x, ws) or float("nan")) / layers
+            rows.append({"group": name, "how": how, "block_sizes": str(bs), "gpu_ms": gpu, "wall_ms": wall,
+                         "gb_s": per_layer / gpu / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+        del ws
     return rows
 
 
@@ -278,6 +368,11 @@ def main():
     ap.add_argument("--int8-sweep", action="store_true",
                     help="only time IQ4_XS's int8 GEMV (tile sweep) against the float GEMV reduce at 1..4 rows")
     ap.add_argument("--int8-quick", action="store_true", help="--int8-sweep with the default and a few tiles only")
+    ap.add_argument("--stream-sweep", action="store_true",
+                    help="only the int8 GEMV's streaming variants (prefetch, row tiles per program), then products "
+                         "of one input in one launch against separate launches")
+    ap.add_argument("--group-tiles", help="block sizes for --stream-sweep's grouped products, e.g. 16,2,8,1,1 "
+                                          "(block_n, blocks_k, warps, prefetch, tiles); default: the best of the sweep")
     ap.add_argument("--json")
     args = ap.parse_args()
     start = time.time()
@@ -285,6 +380,28 @@ def main():
     ceiling = copy_ceiling_gb_s()
     read = read_ceiling_gb_s()
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    if args.stream_sweep:
+        rows = stream_sweep(start + 0.7 * args.seconds, key)
+        first = [r for r in rows if (r["out"], r["in"], r["m"]) == STREAM_CASES[0][:3]]
+        best = max(first, key=lambda r: r["gb_s"])["block_sizes"] if first else None
+        bs = (qi.BlockSizes(*[int(v) for v in args.group_tiles.split(",")[:3]],
+                            prefetch=bool(int(args.group_tiles.split(",")[3])),
+                            tiles=int(args.group_tiles.split(",")[4])) if args.group_tiles
+              else next((v for v in STREAM_VARIANTS if str(v) == best), None))
+        groups = group_sweep(start + args.seconds, key, bs)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "read_gb_s": read, "rows": rows,
+                                                   "groups": groups}, indent=1))
+        print("\n| out x in | rows | x | block sizes | GB/s (kernel) | in the scan, wall |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['out']}x{r['in']} | {r['m']} | {r['x']} | {r['block_sizes']} | {r['gb_s']:.0f} | "
+                  f"{r['scan_gb_s']:.0f} |")
+        print("\n| products | launches | block sizes | GPU ms per layer | wall ms per layer | GB/s (GPU) |\n"
+              "|---|---|---|---|---|---|")
+        for r in groups:
+            print(f"| {r['group']} | {r['how']} | {r['block_sizes']} | {r['gpu_ms']:.4f} | {r['wall_ms']:.4f} | "
+                  f"{r['gb_s']:.0f} |")
+        return
     if args.rows_sweep or args.int8_sweep:
         if args.rows_sweep:
             rows, labels = rows_sweep(args.formats.split(","), start + args.seconds, key), ("format", "regime")

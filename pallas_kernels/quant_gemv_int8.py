@@ -17,8 +17,11 @@ sums are exact; each sub-block's level sums become floats (the 2^23 magic number
 
 The kernel reads W's packed planes in place (stacked over layers, one layer at a time, as the decoder does), each
 program owning BN output rows and streaming their blocks along K; x's levels are permuted (XLA, once per call) into
-the order the byte permutes emit values, four to an int32 word. Used where dot4 and byte_perm are single
-instructions (CUDA); elsewhere quant_matmul's float reduce stays (see uses_int8).
+the order the byte permutes emit values, four to an int32 word. int8_quant_matmul_many runs the projections of one
+input (gate and up; q, k and v; the DeltaNet's four) as one launch with x quantized once: in a 27B decode step on an
+H200 that took batch-1 decode from 86 to 102 tokens/s (benchmarks/RESULTS.md, session 18). Programs with long K
+loops load the next step's words before decoding the current one's (BlockSizes.prefetch). Used where dot4 and
+byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce stays (see uses_int8).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ MAX_ROWS = 4  # rows of x per program (each weight decoded once for all of them)
 GROUP = 32  # values of x per int8 scale: one IQ4_XS sub-block
 LEVEL_STEP = 128.0  # each level of x is this much finer than the last
 TINY = 2.0**-100
+PREFETCH_MIN_STEPS = 8  # K steps per row tile from which BlockSizes.prefetch's default loads ahead
 FORMATS = (T.IQ4_XS,)
 PLANES = ("d", "scales_h", "scales_l", "qs")  # IQ4_XS's, in the kernel's argument order
 _CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_SIGNED_TABLE_WORDS)  # laid out as quant_decode.KERNEL_CONSTANTS
@@ -54,17 +58,26 @@ _CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_SIGNED_TABLE_WORDS)  # laid out as quant
 
 @dataclass(frozen=True)
 class BlockSizes:
-    block_n: int  # output rows (W rows) per program
+    block_n: int  # output rows (W rows) per row tile
     blocks_k: int  # ggml blocks per K step (lowered to a power of two dividing the blocks per row)
     num_warps: int
     num_stages: int = 3
     splits: int | None = None  # programs sharing one row tile, each over 1/splits of K (None: enough for the GPU)
+    prefetch: bool | None = None  # load the next K step's words before decoding this one's (None: for long loops)
+    tiles: int = 1  # row tiles per program, streamed one after another in one loop
 
     @classmethod
     def get_default(cls, rows: int, n: int) -> BlockSizes:
         """Fastest of a sweep on an H200 (bench_decode_gemv.py --int8-sweep): 16 rows, 4 blocks per K step and 8
-        warps; one block per step where the rows give fewer tiles than multiprocessors, so that K splits fill it."""
+        warps; one block per step where the rows give fewer tiles than multiprocessors, so that K splits fill it.
+        Several row tiles per program measured slower (--stream-sweep: 1,022-1,537 against 2,186 GB/s)."""
         return cls(16, 4 if n // 16 >= 132 else 1, 8)
+
+    def prefetches(self, steps: int) -> bool:
+        """Whether a program of `steps` K steps per row tile loads ahead: by default where the loop is long enough
+        to hide loads behind (an H200, --stream-sweep: 5120 x 17408 with 17 steps 1,889 against 1,757 GB/s, 1024 x
+        5120 with 10 steps 537 against 473; at 5 or 6 steps equal or up to 9% slower)."""
+        return steps >= PREFETCH_MIN_STEPS if self.prefetch is None else self.prefetch
 
 
 def levels_for(dtype) -> int:
@@ -98,23 +111,57 @@ def iq4_words(q: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(v.reshape(*v.shape[:7], 4), jnp.int32)
 
 
-def _kernel(*refs, stacked, kb, steps, levels, interpret):
-    # [layer], constants, planes (d, scales_h, scales_l, qs) whole, x words [BM, L, blocks, 4, 2, 2, 4],
-    # x scales [BM, blocks, 4, 2], o [1, BM, BN]
-    refs = list(refs)
-    layer_ref = refs.pop(0) if stacked else None
-    const_ref, *plane_refs, xq_ref, xd_ref, o_ref = refs
-    block_n, rows = o_ref.shape[-1], o_ref.shape[1]
-    out_rows = pl.ds(pl.multiple_of(pl.program_id(1) * block_n, block_n), block_n)
-    split = pl.program_id(2)
-    prefix = (layer_ref[0], out_rows) if stacked else (out_rows,)
-    planes = {name: RowView(ref, prefix) for name, ref in zip(PLANES, plane_refs)}
-    magic = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret)
+def _load_step(planes, sl) -> dict:
+    """The packed planes of this program's rows over the K step `sl`, loaded: {name: [BN, KB, ...]}."""
+    return {name: planes[name][:, sl] for name in PLANES}
 
-    def step(s, accs):
-        sl = pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
-        scale = iq4_xs_scales(planes, sl, magic)  # [BN, KB, 4, 2]
-        halves = iq4_xs_signed_bytes(planes, sl, magic)  # 2 x [BN, KB, 4, 2, 4]
+
+def _kernel(*refs, weights, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
+    """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
+    of tiles * BN rows), K steps split * steps ... of it; o [1, BM, tiles * BN] is that block's output."""
+    # [layer], constants, per weight its planes (d, scales_h, scales_l, qs) whole, x words [BM, L, blocks, 4, 2, 2,
+    # 4], x scales [BM, blocks, 4, 2], o [1, BM, tiles * BN]
+    refs = list(refs)
+    layer = refs.pop(0)[0] if stacked else None
+    const_ref, *plane_refs, xq_ref, xd_ref, o_ref = refs
+    magic = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret)
+    block, split = pl.program_id(1), pl.program_id(2)
+    stream = functools.partial(_stream_rows, xq_ref=xq_ref, xd_ref=xd_ref, o_ref=o_ref, magic=magic, layer=layer,
+                               split=split, block_n=block_n, tiles=tiles, kb=kb, steps=steps, levels=levels,
+                               prefetch=prefetch)
+    if weights == 1:
+        stream(plane_refs, block * tiles * block_n)
+        return
+    first = 0
+    for i, count in enumerate(tile_counts):
+        @pl.when((block >= first) & (block < first + count))
+        def _(i=i, first=first):
+            stream(plane_refs[len(PLANES) * i: len(PLANES) * (i + 1)], (block - first) * tiles * block_n)
+
+        first += count
+
+
+def _stream_rows(plane_refs, first_row, *, xq_ref, xd_ref, o_ref, magic, layer, split, block_n, tiles, kb, steps,
+                 levels, prefetch):
+    """o = x @ W[first_row : first_row + tiles * BN].T over this split's K steps, one weight's planes: the row
+    tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps)."""
+    rows = o_ref.shape[1]
+
+    def tile_planes(t):
+        out_rows = pl.ds(pl.multiple_of(first_row + t * block_n, block_n), block_n)
+        prefix = (out_rows,) if layer is None else (layer, out_rows)
+        return {name: RowView(ref, prefix) for name, ref in zip(PLANES, plane_refs)}
+
+    def k_slice(s):
+        return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
+
+    def load(i):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
+        return _load_step(tile_planes(lax.div(i, steps)), k_slice(lax.rem(i, steps)))
+
+    def accumulate(loaded, s, accs):
+        sl, whole = k_slice(s), slice(None)
+        scale = iq4_xs_scales(loaded, whole, magic)  # [BN, KB, 4, 2]
+        halves = iq4_xs_signed_bytes(loaded, whole, magic)  # 2 x [BN, KB, 4, 2, 4]
         new = []
         for r, acc in enumerate(accs):
             total = None
@@ -127,10 +174,37 @@ def _kernel(*refs, stacked, kb, steps, levels, interpret):
             new.append(fma(total, scale * xd_ref[r, sl][None], acc))
         return tuple(new)
 
-    zeros = jnp.zeros((block_n, kb, 4, 2), jnp.float32)
-    accs = lax.fori_loop(0, steps, step, (zeros,) * rows)
-    for r, acc in enumerate(accs):
-        o_ref[0, pl.ds(r, 1), :] = acc.sum(axis=(1, 2, 3))[None, :].astype(o_ref.dtype)
+    def store(t, accs):
+        for r, acc in enumerate(accs):
+            o_ref[0, pl.ds(r, 1), pl.ds(t * block_n, block_n)] = acc.sum(axis=(1, 2, 3))[None, :].astype(o_ref.dtype)
+
+    zeros = (jnp.zeros((block_n, kb, 4, 2), jnp.float32),) * rows
+    total = tiles * steps
+
+    def step(i, carry):
+        if prefetch:  # the next step's words are in flight while this one's are decoded
+            loaded, accs = carry
+            upcoming = load(jnp.minimum(i + 1, total - 1))
+        else:
+            loaded, accs = load(i), carry
+        accs = accumulate(loaded, lax.rem(i, steps), accs)
+        if tiles > 1:
+            last = lax.rem(i, steps) == steps - 1
+
+            @pl.when(last)
+            def _():
+                store(lax.div(i, steps), accs)
+
+            accs = tuple(jnp.where(last, 0.0, a) for a in accs)
+        return (upcoming, accs) if prefetch else accs
+
+    carry = lax.fori_loop(0, total, step, (load(0), zeros) if prefetch else zeros)
+    if tiles == 1:
+        store(0, carry[1] if prefetch else carry)
+
+
+def _program_rows(bs: BlockSizes) -> int:
+    return bs.block_n * bs.tiles
 
 
 def uses_int8(interpret: bool) -> bool:
@@ -143,9 +217,20 @@ def uses_int8(interpret: bool) -> bool:
 
 def supported(x_shape, w: QuantizedTensor, stacked: bool) -> bool:
     """Whether int8_quant_matmul takes x [..., in] @ W.T (W[layer].T when stacked)."""
-    m, n = math.prod(x_shape[:-1]), w.shape[0]
-    return (w.ggml_type in FORMATS and w.ndim == 2 and 0 < m <= MAX_ROWS
-            and (not stacked or n % BlockSizes.get_default(m, n).block_n == 0))
+    return supported_many(x_shape, (w,), stacked)
+
+
+def supported_many(x_shape, ws, stacked: bool) -> bool:
+    """Whether int8_quant_matmul_many takes x [..., in] and the packed weights ws (stacked: each [L, out_i, in],
+    one L): one format it has, every in equal to x's, rows that whole row blocks cover when stacked."""
+    m, ns = math.prod(x_shape[:-1]), [w.shape[0] for w in ws]
+    if not (ws and 0 < m <= MAX_ROWS and all(w.ggml_type in FORMATS and w.ndim == 2 for w in ws)):
+        return False
+    if len({w.ggml_type for w in ws}) != 1 or any(w.shape[1] != x_shape[-1] for w in ws):
+        return False
+    if stacked and len({w.planes["d"].shape[0] for w in ws}) != 1:
+        return False
+    return not stacked or all(n % _program_rows(BlockSizes.get_default(m, sum(ns))) == 0 for n in ns)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "levels", "out_dtype", "interpret", "debug"))
@@ -154,40 +239,67 @@ def int8_quant_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array | None 
                       interpret: bool = False, debug: bool = False) -> jax.Array:
     """x [M, in] @ W.T (W[layer].T for W stacked over layers, every plane [L, rows, ...], read in place) -> [M, out]
     in out_dtype (default x's), M <= MAX_ROWS, x quantized to `levels` int8 levels (default levels_for(x.dtype))."""
-    if w.ggml_type not in FORMATS:
-        raise NotImplementedError(f"no int8 GEMV for {w.ggml_type.name} (have {[t.name for t in FORMATS]})")
-    (m, k), n = x.shape, w.shape[0]
-    if not 0 < m <= MAX_ROWS or w.ndim != 2 or k != w.shape[1]:
-        raise ValueError(f"x {x.shape} @ W.T needs x [<= {MAX_ROWS}, in] and W [out, in]; W is {w.shape}")
-    fmt = KERNEL_FORMATS[w.ggml_type]
-    bs = block_sizes or BlockSizes.get_default(m, n)
+    return int8_quant_matmul_many(x, (w,), layer, block_sizes=block_sizes, levels=levels, out_dtype=out_dtype,
+                                  interpret=interpret, debug=debug)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "levels", "out_dtype", "interpret", "debug"))
+def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer: jax.Array | None = None, *,
+                           block_sizes: BlockSizes | None = None, levels: int | None = None, out_dtype=None,
+                           interpret: bool = False, debug: bool = False) -> tuple[jax.Array, ...]:
+    """(int8_quant_matmul(x, w, layer) for w in ws) in one launch: the projections of one input (gate and up; q, k
+    and v; the DeltaNet's four), x quantized once, one grid over all their row blocks. A decode step's products are
+    short (a 17408 x 5120 IQ4_XS weight streams in ~25 us on an H200): each launch costs its start, its last wave's
+    idle multiprocessors and x's quantization, and a small weight alone (48 or 1,024 rows) cannot fill the GPU."""
+    ws = tuple(ws)
+    (m, k) = x.shape
+    for w in ws:
+        if w.ggml_type not in FORMATS:
+            raise NotImplementedError(f"no int8 GEMV for {w.ggml_type.name} (have {[t.name for t in FORMATS]})")
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"x {x.shape} @ W.T needs every W [out, {k}]; got {[w.shape for w in ws]}")
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"x {x.shape} needs 1..{MAX_ROWS} rows")
+    fmt = KERNEL_FORMATS[FORMATS[0]]
+    ns = tuple(w.shape[0] for w in ws)
+    bs = block_sizes or BlockSizes.get_default(m, sum(ns))
     blocks = k // fmt.block
     kb = blocks_per_step(blocks, bs.blocks_k)
+    program_rows = _program_rows(bs)
     if layer is None:  # rows padded to whole tiles (a stacked weight cannot be: it would be copied)
-        planes = [_pad_to(w.planes[name].reshape(n, blocks, *fmt.planes[name]), 0, bs.block_n) for name in PLANES]
-    elif n % bs.block_n:
-        raise ValueError(f"stacked W's {n} rows must be a multiple of block_n={bs.block_n}")
+        planes = [[_pad_to(w.planes[name].reshape(n, blocks, *fmt.planes[name]), 0, program_rows) for name in PLANES]
+                  for w, n in zip(ws, ns)]
+    elif any(n % program_rows for n in ns) or len({w.planes["d"].shape[0] for w in ws}) != 1:
+        raise ValueError(f"stacked weights of one depth with rows a multiple of block_n * tiles = {program_rows}; "
+                         f"got {[(w.planes['d'].shape[0], n) for w, n in zip(ws, ns)]}")
     else:
-        planes = [w.planes[name].reshape(-1, n, blocks, *fmt.planes[name]) for name in PLANES]
-    np_ = planes[0].shape[-3]  # d: [(L,) rows, blocks, 1]
+        planes = [[w.planes[name].reshape(-1, n, blocks, *fmt.planes[name]) for name in PLANES]
+                  for w, n in zip(ws, ns)]
+    padded = tuple(p[0].shape[-3] for p in planes)  # d: [(L,) rows, blocks, 1]
+    tile_counts = tuple(n // program_rows for n in padded)
     levels = levels or levels_for(x.dtype)
     q, d = quantize_x(x, levels)
     xq, xd = iq4_words(q), d.reshape(m, blocks, 4, 2)
-    splits = bs.splits or split_count(np_ // bs.block_n, blocks // kb)
+    splits = bs.splits or split_count(sum(tile_counts), blocks // kb)
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
     out_dtype = out_dtype or x.dtype
-    kernel = functools.partial(_kernel, stacked=layer is not None, kb=kb, steps=blocks // (kb * splits),
-                               levels=levels, interpret=interpret)
+    steps = blocks // (kb * splits)
+    kernel = functools.partial(_kernel, weights=len(ws), tile_counts=tile_counts, stacked=layer is not None,
+                               block_n=bs.block_n, tiles=bs.tiles, kb=kb, steps=steps, levels=levels,
+                               prefetch=bs.prefetches(steps), interpret=interpret)
     x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in (xq, xd)]
+    flat_planes = [p for weight_planes in planes for p in weight_planes]
     y = pl.pallas_call(
         kernel,
-        out_shape=split_out_shape(splits, m, np_, out_dtype),
-        grid=(1, np_ // bs.block_n, splits),
-        in_specs=[*(WHOLE for _ in range(len(planes) + 1 + (layer is not None))), *x_specs],
-        out_specs=pl.BlockSpec((1, m, bs.block_n), lambda i, j, s: (s, 0, j)),
+        out_shape=split_out_shape(splits, m, sum(padded), out_dtype),
+        grid=(1, sum(tile_counts), splits),
+        in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
+        out_specs=pl.BlockSpec((1, m, program_rows), lambda i, j, s: (s, 0, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret, debug=debug, name=f"int8_gemv_{w.ggml_type.name.lower()}",
+        interpret=interpret, debug=debug, name=f"int8_gemv_{FORMATS[0].name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
-      jnp.asarray(_CONSTANTS, jnp.uint32), *planes, xq, xd)
-    return sum_splits(y, out_dtype)[:, :n]
+      jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, xq, xd)
+    y = sum_splits(y, out_dtype)
+    starts = [sum(padded[:i]) for i in range(len(ws))]
+    return tuple(y[:, start: start + n] for start, n in zip(starts, ns))

@@ -11,7 +11,8 @@ One kernel, three regimes chosen by the rows M of x:
 - M >= 17 (prefill GEMM): a [BM, BN] output tile per program; W decoded to x's dtype (bf16) in registers.
 Weights never leave their packed planes; the wrapper only reshapes them (free) and permutes x into the order
 the decoders emit values (quant_decode.py). float32 x uses exact float32 products (precision HIGHEST).
-stacked_quant_matmul is the same kernel on a weight stacked over layers, reading one layer in place (decode).
+stacked_quant_matmul is the same kernel on a weight stacked over layers, reading one layer in place (decode);
+quant_matmul_many runs several weights of one format (the projections of one input) as one launch.
 
 The decode GEMV is bound by instruction issue, not by memory (an H200 profile: 81% of issue slots busy, 28% of
 memory throughput), so the decoders count instructions: fused multiply-adds (pallas_kernels/fma.py), masks ORed
@@ -110,25 +111,44 @@ class RowView:
 WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself
 
 
-def _kernel(*refs, names, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset,
+def _kernel(*refs, names, tile_counts, stacked, pieces, piece, kb, steps, reduce, dot_dtype, precision, has_offset,
             use_byte_perm, interpret):
-    """The GEMV reduce takes x in float32 where BlockSizes.widens_x says (one row; Q4_K's two): widening bf16 in the
-    kernel cost 1.5 instructions per weight (an H200's SASS: each thread widens its own x elements, by a shift or a
-    permute and a multiply by 2^16 each), a fifth of the loop; for IQ4_XS at two rows float32 x measured slower
-    (twice the bytes of x per weight loaded)."""
-    # [layer], constants, planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block], [x group sums],
-    # o [1, BM, BN]
+    """Program (i, j, split): rows i of x, row tile j of the weights' outputs side by side (weight w owns
+    tile_counts[w] tiles), K steps split * steps ... of it. The GEMV reduce takes x in float32 where
+    BlockSizes.widens_x says (one row; Q4_K's two): widening bf16 in the kernel cost 1.5 instructions per weight (an
+    H200's SASS: each thread widens its own x elements, by a shift or a permute and a multiply by 2^16 each), a fifth
+    of the loop; for IQ4_XS at two rows float32 x measured slower (twice the bytes of x per weight loaded)."""
+    # [layer], constants, per weight its planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block],
+    # [x group sums], o [1, BM, BN]
     refs = list(refs)
-    layer_ref = refs.pop(0) if stacked else None
+    layer = refs.pop(0)[0] if stacked else None
     const_ref, o_ref = refs.pop(0), refs.pop()
     xs_ref = refs.pop() if has_offset else None
     x_ref, plane_refs = refs.pop(), refs
+    tile = pl.program_id(1)
+    product = functools.partial(
+        _product, names=names, x_ref=x_ref, xs_ref=xs_ref, o_ref=o_ref, layer=layer, split=pl.program_id(2),
+        magic=kernel_magic(const_ref, use_byte_perm=use_byte_perm, interpret=interpret), pieces=pieces,
+        piece=piece, kb=kb, steps=steps, reduce=reduce, dot_dtype=dot_dtype, precision=precision)
+    if len(tile_counts) == 1:
+        product(plane_refs, tile)
+        return
+    first = 0
+    for i, count in enumerate(tile_counts):
+        @pl.when((tile >= first) & (tile < first + count))
+        def _(i=i, first=first):
+            product(plane_refs[len(names) * i: len(names) * (i + 1)], tile - first)
+
+        first += count
+
+
+def _product(plane_refs, tile, *, names, x_ref, xs_ref, o_ref, layer, split, magic, pieces, piece, kb, steps,
+             reduce, dot_dtype, precision):
+    """o = x @ W[tile * BN : (tile + 1) * BN].T over this split's K steps, one weight's planes."""
     block_n = o_ref.shape[-1]
-    rows = pl.ds(pl.multiple_of(pl.program_id(1) * block_n, block_n), block_n)
-    split = pl.program_id(2)
-    prefix = (layer_ref[0], rows) if stacked else (rows,)
+    rows = pl.ds(pl.multiple_of(tile * block_n, block_n), block_n)
+    prefix = (rows,) if layer is None else (layer, rows)
     planes = {name: RowView(ref, prefix) for name, ref in zip(names, plane_refs)}
-    magic = kernel_magic(const_ref, use_byte_perm=use_byte_perm, interpret=interpret)
 
     def k_slice(s):
         """The blocks of K step s of this program's share of K."""
@@ -208,13 +228,36 @@ def stacked_quant_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array, *, 
     return _quant_matmul(x, w, layer, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret, debug=debug)
 
 
+@functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
+def quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer: jax.Array | None = None, *,
+                      block_sizes: BlockSizes | None = None, out_dtype=None, interpret: bool = False,
+                      debug: bool = False) -> tuple[jax.Array, ...]:
+    """(x @ W.T for W in ws), or (x @ W[layer].T) for weights stacked over layers, in one launch: the projections of
+    one input in one format (x permuted once, one grid over all their row tiles), as
+    quant_gemv_int8.int8_quant_matmul_many for the int8 GEMV: each launch of a decode step costs its start and its
+    last wave's idle multiprocessors, and a small weight alone cannot fill the GPU."""
+    return _quant_matmul_many(x, tuple(ws), layer, block_sizes=block_sizes, out_dtype=out_dtype,
+                              interpret=interpret, debug=debug)
+
+
 def stacked_supported(x_shape, w: QuantizedTensor) -> bool:
     """Whether stacked_quant_matmul takes x [..., in] @ W[layer].T: a kernel format, 2-D layers, at most
     GEMV_MAX_ROWS rows of x, and output rows that the row tiles divide (stacked planes are never padded)."""
+    return supported_many(x_shape, (w,), stacked=True)
+
+
+def supported_many(x_shape, ws, stacked: bool) -> bool:
+    """Whether quant_matmul_many takes x [..., in] and the packed weights ws (stacked: each [L, out_i, in], one L):
+    one kernel format, 2-D weights with x's in, at most GEMV_MAX_ROWS rows of x, and (stacked) a row tile dividing
+    every out_i."""
     m = math.prod(x_shape[:-1])
-    if w.ggml_type not in KERNEL_FORMATS or w.ndim != 2 or not 0 < m <= GEMV_MAX_ROWS:
+    if not ws or len({w.ggml_type for w in ws}) != 1 or ws[0].ggml_type not in KERNEL_FORMATS:
         return False
-    return _stacked_block_sizes(w.ggml_type, m, w.shape[0]) is not None
+    if any(w.ndim != 2 or w.shape[1] != x_shape[-1] for w in ws) or not 0 < m <= GEMV_MAX_ROWS:
+        return False
+    if stacked and len({w.planes[next(iter(w.planes))].shape[0] for w in ws}) != 1:
+        return False
+    return not stacked or _stacked_block_sizes(ws[0].ggml_type, m, math.gcd(*(w.shape[0] for w in ws))) is not None
 
 
 def _stacked_block_sizes(ggml_type, m: int, n: int) -> BlockSizes | None:
@@ -233,57 +276,73 @@ def _quant_matmul(x, w, layer, *, block_sizes, out_dtype, interpret, debug):
     fmt = KERNEL_FORMATS.get(w.ggml_type)
     if fmt is None:
         raise NotImplementedError(f"no fused kernel for {w.ggml_type.name} (have {[t.name for t in KERNEL_FORMATS]})")
-    if w.ndim != 2 or x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x {x.shape} @ W.T needs x [M, in] and W [out, in] with equal in; W is {w.shape}")
-    m, (n, k) = x.shape[0], w.shape
-    bs = block_sizes or (BlockSizes.get_default(w.ggml_type, m) if layer is None
-                         else _stacked_block_sizes(w.ggml_type, m, n))
+    return _quant_matmul_many(x, (w,), layer, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret,
+                              debug=debug)[0]
+
+
+def _quant_matmul_many(x, ws, layer, *, block_sizes, out_dtype, interpret, debug):
+    fmt = KERNEL_FORMATS.get(ws[0].ggml_type)
+    if fmt is None or len({w.ggml_type for w in ws}) != 1:
+        raise NotImplementedError(f"one fused-kernel format per launch, got {[w.ggml_type.name for w in ws]} "
+                                  f"(have {[t.name for t in KERNEL_FORMATS]})")
+    if x.ndim != 2 or any(w.ndim != 2 or x.shape[1] != w.shape[1] for w in ws):
+        raise ValueError(f"x {x.shape} @ W.T needs x [M, in] and W [out, in] with equal in; W is "
+                         f"{[w.shape for w in ws]}")
+    m, k, ns = x.shape[0], x.shape[1], tuple(w.shape[0] for w in ws)
+    bs = block_sizes or (BlockSizes.get_default(ws[0].ggml_type, m) if layer is None
+                         else _stacked_block_sizes(ws[0].ggml_type, m, math.gcd(*ns)))
     if bs is None:
-        raise ValueError(f"no row tile divides the {n} rows of the stacked weight")
+        raise ValueError(f"no row tile divides the rows {ns} of the stacked weights")
     reduce = bs.block_m <= REDUCE_MAX_ROWS
     blocks = k // fmt.block
     kb = blocks_per_step(blocks, bs.blocks_k)
     if layer is None:
-        planes = {name: _pad_to(w.planes[name].reshape(n, blocks, *shape), 0, bs.block_n)
-                  for name, shape in fmt.planes.items()}
+        planes = [{name: _pad_to(w.planes[name].reshape(n, blocks, *shape), 0, bs.block_n)
+                   for name, shape in fmt.planes.items()} for w, n in zip(ws, ns)]
     else:
-        if n % bs.block_n:
-            raise ValueError(f"stacked weight rows {n} must be a multiple of block_n={bs.block_n}")
-        planes = {name: w.planes[name].reshape(-1, n, blocks, *shape) for name, shape in fmt.planes.items()}
+        if any(n % bs.block_n for n in ns):
+            raise ValueError(f"stacked weight rows {ns} must be multiples of block_n={bs.block_n}")
+        planes = [{name: w.planes[name].reshape(-1, n, blocks, *shape) for name, shape in fmt.planes.items()}
+                  for w, n in zip(ws, ns)]
     xp = in_kernel_order(x, fmt)
     if reduce and bs.widens_x:  # fused into the permute XLA already does: see _kernel
         xp = xp.astype(jnp.float32)
     xp = _pad_to(xp, 0, bs.block_m)
-    mp, np_ = xp.shape[0], planes[next(iter(planes))].shape[0 if layer is None else 1]
+    padded = tuple(p[next(iter(p))].shape[0 if layer is None else 1] for p in planes)
+    tile_counts = tuple(n // bs.block_n for n in padded)
+    mp = xp.shape[0]
     x_inputs = [xp]
     if fmt.has_offset:  # each sub-block's sum of x, for the offsets (Q4_K / Q5_K minimums)
         xs = xp.astype(jnp.float32).sum(axis=-1)
         x_inputs.append(xs)
     splits = bs.splits or (1 if bs.block_m > GEMV_MAX_ROWS else
-                           split_count((mp // bs.block_m) * (np_ // bs.block_n), blocks // kb))
+                           split_count((mp // bs.block_m) * sum(tile_counts), blocks // kb))
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
 
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     out_dtype = out_dtype or x.dtype
     kernel = functools.partial(
-        _kernel, names=tuple(planes), stacked=layer is not None, pieces=fmt.pieces, piece=fmt.piece, kb=kb,
-        steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype, has_offset=fmt.has_offset,
-        use_byte_perm=uses_byte_perm(interpret),
+        _kernel, names=tuple(fmt.planes), tile_counts=tile_counts, stacked=layer is not None, pieces=fmt.pieces,
+        piece=fmt.piece, kb=kb, steps=blocks // (kb * splits), reduce=reduce, dot_dtype=dot_dtype,
+        has_offset=fmt.has_offset, use_byte_perm=uses_byte_perm(interpret),
         interpret=interpret, precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
     x_specs = [pl.BlockSpec((bs.block_m, *a.shape[1:]), lambda i, j, s, nd=a.ndim: (i,) + (0,) * (nd - 1))
                for a in x_inputs]
+    flat_planes = [a for p in planes for a in p.values()]
     y = pl.pallas_call(
         kernel,
-        out_shape=split_out_shape(splits, mp, np_, out_dtype),
-        grid=(mp // bs.block_m, np_ // bs.block_n, splits),
-        in_specs=[*(WHOLE for _ in range(len(planes) + 1 + (layer is not None))), *x_specs],
+        out_shape=split_out_shape(splits, mp, sum(padded), out_dtype),
+        grid=(mp // bs.block_m, sum(tile_counts), splits),
+        in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
         out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret, debug=debug, name=f"quant_matmul_{w.ggml_type.name.lower()}",
+        interpret=interpret, debug=debug, name=f"quant_matmul_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
-      jnp.asarray(KERNEL_CONSTANTS, jnp.uint32), *planes.values(), *x_inputs)
-    return sum_splits(y, out_dtype)[:m, :n]
+      jnp.asarray(KERNEL_CONSTANTS, jnp.uint32), *flat_planes, *x_inputs)
+    y = sum_splits(y, out_dtype)[:m]
+    starts = [sum(padded[:i]) for i in range(len(ws))]
+    return tuple(y[:, start: start + n] for start, n in zip(starts, ns))
 
 
 def quant_matmul_reference(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:

@@ -104,6 +104,34 @@ def _int8_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def _packed_layer(w) -> tuple[QuantizedTensor, jax.Array | None] | None:
+    """(packed tensor, layer index or None) of a packed weight or a packed LayerSlice; None for dense ones."""
+    if isinstance(w, LayerSlice):
+        return (w.stacked, w.index) if isinstance(w.stacked, QuantizedTensor) else None
+    return (w, None) if isinstance(w, QuantizedTensor) else None
+
+
+def _packed_linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...] | None:
+    """(x @ W.T for W in ws) in one kernel launch (x quantized or permuted once) for packed weights of one format,
+    all slices of one layer (the same index) or all unstacked, with decode-sized x: the int8 GEMV where the platform
+    runs it and it takes them (as _int8_linear would each), else the fused dequantize-matmul. None where neither
+    takes them together."""
+    from pallas_kernels import quant_gemv_int8, quant_matmul
+
+    packed = [_packed_layer(w) for w in ws]
+    if len(ws) < 2 or None in packed or any(index is not packed[0][1] for _, index in packed):
+        return None
+    tensors, layer = tuple(t for t, _ in packed), packed[0][1]
+    rows, stacked, interpret = x.reshape(-1, x.shape[-1]), layer is not None, backend.interpret()
+    if quant_gemv_int8.uses_int8(interpret) and quant_gemv_int8.supported_many(x.shape, tensors, stacked):
+        ys = quant_gemv_int8.int8_quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
+    elif quant_matmul.supported_many(x.shape, tensors, stacked):
+        ys = quant_matmul.quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
+    else:
+        return None
+    return tuple(y.reshape(*x.shape[:-1], t.shape[0]) for y, t in zip(ys, tensors))
+
+
 def _dequantized_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
     """x @ W.T (W[layer].T for a stacked w) for a prefill-sized x: W decoded by the Pallas dequantize kernel, then
     one vendor GEMM; None for decode-sized x (the fused GEMV's) or where the kernel does not take w."""
@@ -201,19 +229,30 @@ _FUSED_ROW_TILE = 32  # weights fused in one launch share a row tile; few-row on
 
 
 def linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
-    """(linear(x, w, out_dtype) for w in ws): the projections of one input. Decode-sized products of dense layer
-    slices of one dtype run as kernel launches over several weights (dense_gemv.stacked_gemv_many): one for those
-    whose rows are multiples of _FUSED_ROW_TILE, one for the rest; anything else, one product each."""
+    """(linear(x, w, out_dtype) for w in ws): the projections of one input. Decode-sized products run as fewer
+    kernel launches where they can: packed weights of one format as one launch (the int8 GEMV's or the fused
+    dequantize-matmul's: _packed_linear_many), dense layer slices of one dtype as launches over several weights
+    (dense_gemv.stacked_gemv_many: one for those whose rows are multiples of _FUSED_ROW_TILE, one for the rest);
+    anything else, one product each."""
     ws = tuple(ws)
-    wide = tuple(i for i, w in enumerate(ws) if _is_dense_slice(w) and w.stacked.shape[1] % _FUSED_ROW_TILE == 0)
-    groups = [wide, tuple(i for i in range(len(ws)) if i not in wide)]
     out = [None] * len(ws)
-    for group in filter(None, groups):
-        fused = _fused_in_place_linear(x, tuple(ws[i] for i in group), out_dtype)
-        ys = fused if fused is not None else tuple(_impl(x, ws[i], out_dtype) for i in group)
-        for i, y in zip(group, ys):
-            out[i] = y
-    return tuple(out)
+    if backend.use_pallas() and x.dtype in _KERNEL_X_DTYPES:
+        formats = {_packed_type(w) for w in ws} - {None}
+        dense = [i for i, w in enumerate(ws) if _is_dense_slice(w)]
+        wide = tuple(i for i in dense if ws[i].stacked.shape[1] % _FUSED_ROW_TILE == 0)
+        groups = [(tuple(i for i, w in enumerate(ws) if _packed_type(w) == t), _packed_linear_many) for t in formats]
+        groups += [(wide, _fused_in_place_linear), (tuple(i for i in dense if i not in wide), _fused_in_place_linear)]
+        for group, fuse in groups:
+            ys = fuse(x, tuple(ws[i] for i in group), out_dtype) if len(group) > 1 else None
+            for i, y in zip(group, ys or ()):
+                out[i] = y
+    return tuple(_impl(x, w, out_dtype) if y is None else y for w, y in zip(ws, out))
+
+
+def _packed_type(w):
+    """The ggml type of a packed weight (or layer slice) in a format with a fused kernel, else None."""
+    packed = _packed_layer(w)
+    return packed[0].ggml_type if packed is not None and packed[0].ggml_type in KERNEL_FORMATS else None
 
 
 def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
@@ -239,8 +278,10 @@ def split_linear_many(x: jax.Array, ws, low_rows=None) -> tuple[jax.Array, ...]:
     low_rows = tuple(_out_features(w) if r is None else r
                      for w, r in zip(ws, low_rows or (None,) * len(ws), strict=True))
     rows = math.prod(x.shape[:-1])
-    direct = [backend.use_pallas() and _reduces(rows, w) for w in ws]
-    out = [linear(x, w, jnp.float32) if take else None for w, take in zip(ws, direct)]
+    direct = [i for i, w in enumerate(ws) if backend.use_pallas() and _reduces(rows, w)]
+    out = [None] * len(ws)
+    for i, y in zip(direct, linear_many(x, [ws[i] for i in direct], jnp.float32)):
+        out[i] = y
     rest = [i for i, y in enumerate(out) if y is None]
     for i, y in zip(rest, _split_products(x, [ws[i] for i in rest], [low_rows[i] for i in rest])):
         out[i] = y

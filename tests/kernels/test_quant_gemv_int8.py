@@ -123,6 +123,74 @@ def test_int8_gemv_reads_the_chosen_layer(m, splits, seed, interpret):
     check_against_bound(got, x, pairs[layer][1], 3, f"layer {layer}/{layers} m={m} splits={splits} seed {seed}")
 
 
+# (rows of x, x dtype, rows of each weight, block sizes): weights of unequal rows side by side; the streaming options
+# (the next step's words loaded ahead, several row tiles per program, K splits) on whole-tile weights
+# (x's 1,024 values are 4 blocks: one block per K step and no K split gives each program 4 steps a row tile)
+MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), None),
+              (2, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1)),
+              (1, jnp.bfloat16, (64, 32), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1, tiles=2)),
+              (3, jnp.float32, (32, 32, 96), qi.BlockSizes(16, 1, 8, splits=2, tiles=2)),
+              (1, jnp.bfloat16, (16, 48), qi.BlockSizes(16, 2, 4, prefetch=True, splits=2))]
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+@pytest.mark.parametrize("m,dtype,outs,bs", MANY_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_int8_gemv_many_weights_in_one_launch(m, dtype, outs, bs, stacked, seed, interpret):
+    """int8_quant_matmul_many: each output is x times its own weight (of the chosen layer when stacked), within x's
+    quantization bound of gguf's dequantization; unstacked weights are padded to whole row tiles, not refused."""
+    rng = np.random.default_rng(seed)
+    k, layers = 1024, int(rng.integers(2, 4))
+    layer = int(rng.integers(0, layers))
+    pairs = [[random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for out in outs]
+    x = random_x(rng, m, k, dtype)
+    if stacked:
+        ws = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in per_layer]) for per_layer in pairs)
+        got = qi.int8_quant_matmul_many(x, ws, jnp.int32(layer), block_sizes=bs, out_dtype=jnp.float32,
+                                        interpret=interpret)
+    else:
+        if bs is not None and bs.tiles > 1:
+            outs = tuple(out + 8 for out in outs)  # odd rows, padded to whole tiles of tiles * block_n
+            pairs = [[random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for out in outs]
+        got = qi.int8_quant_matmul_many(x, tuple(per_layer[layer][0] for per_layer in pairs), block_sizes=bs,
+                                        out_dtype=jnp.float32, interpret=interpret)
+    assert len(got) == len(outs)
+    for i, (y, per_layer) in enumerate(zip(got, pairs)):
+        check_against_bound(y, x, per_layer[layer][1], qi.levels_for(dtype),
+                            f"weight {i} of {outs} ({'stacked' if stacked else 'unstacked'}, layer {layer}), "
+                            f"x[{m}] {jnp.dtype(dtype).name}, {bs}, seed {seed}")
+
+
+def test_linear_many_takes_one_int8_launch(monkeypatch, seed):
+    """linear_many on IQ4_XS layer slices of one layer: one int8 GEMV launch for all of them (and only them: a Q8_0
+    weight among them takes its own kernel), outputs in order within the bound; slices of different layer indices,
+    or more rows than the int8 GEMV takes, are not put in one launch."""
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    k, layers = 512, 3
+    layer = jnp.int32(int(rng.integers(0, layers)))
+    pairs = {out: [random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for out in (48, 32)}
+    q8 = [random_weight(rng, T.Q8_0, 32, k) for _ in range(layers)]
+    stack = lambda ps: jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in ps])  # noqa: E731
+    ws = [LayerSlice(stack(pairs[48]), layer), LayerSlice(stack(q8), layer), LayerSlice(stack(pairs[32]), layer)]
+    denses = [pairs[48][int(layer)][1], q8[int(layer)][1], pairs[32][int(layer)][1]]
+    for rows in (1, 3, 5):
+        x = random_x(rng, rows, k, jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear_many(x, ws))(x))
+        launches = jaxpr.count("name=int8_gemv_iq4_xs")
+        assert launches == (1 if rows <= qi.MAX_ROWS else 0), f"{rows} rows: {launches} int8 launches"
+        assert ("name=quant_matmul_q8_0" in jaxpr) == (rows <= 16), f"{rows} rows: the Q8_0 weight's own kernel"
+        got = linear_mod.linear_many(x, ws)
+        for i in (0, 2):
+            check_against_bound(got[i], x, denses[i], 3, f"linear_many weight {i}, {rows} rows, seed {seed}")
+        x64 = np.asarray(x, np.float64)
+        q8_error = np.abs(np.asarray(got[1], np.float64) - x64 @ denses[1].T) / (np.abs(x64) @ np.abs(denses[1]).T)
+        assert q8_error.max() < 1e-5, f"the Q8_0 weight's own product, {rows} rows: {q8_error.max():.3g}"
+    other = [ws[0], LayerSlice(ws[2].stacked, jnp.int32(int(layer)))]  # an equal index, but not the same array
+    jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear_many(x, other))(random_x(rng, 1, k, jnp.float32)))
+    assert jaxpr.count("name=int8_gemv_iq4_xs") == 2, "slices of separately given layer indices: a launch each"
+
+
 def test_linear_takes_the_int8_gemv_for_decode_rows(monkeypatch, seed):
     """With Pallas chosen on a platform where the int8 GEMV runs (here: interpreted), linear() on IQ4_XS sends 1..4
     rows to it (a stacked layer slice and a plain weight) and more rows elsewhere; values within the bound."""
@@ -149,6 +217,15 @@ def test_int8_gemv_refuses_what_it_cannot_take():
     assert not qi.supported((1, 256), q4, stacked=False)
     with pytest.raises(NotImplementedError):
         qi.int8_quant_matmul(jnp.zeros((1, 256)), q4, interpret=True)
+    assert not qi.supported_many((1, 256), (w, q4), stacked=False), "one format per launch"
+    wide, _ = random_weight(np.random.default_rng(0), T.IQ4_XS, 16, 512)
+    assert not qi.supported_many((1, 256), (w, wide), stacked=False), "every weight's in is x's"
+    with pytest.raises(ValueError, match="every W"):
+        qi.int8_quant_matmul_many(jnp.zeros((1, 256)), (w, wide), interpret=True)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), w)
+    assert qi.supported_many((1, 256), (stacked,), stacked=True)
+    deeper = jax.tree.map(lambda a: jnp.stack([a, a, a]), w)
+    assert not qi.supported_many((1, 256), (stacked, deeper), stacked=True), "one depth of stacking"
 
 
 @pytest.mark.parametrize("setting,expected", [("on", True), ("off", False), ("", True)])

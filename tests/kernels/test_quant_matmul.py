@@ -14,8 +14,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
+from luxjax.ops.linear import LayerSlice
 from pallas_kernels.quant_decode import KERNEL_FORMATS
-from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_reference
+from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_many, quant_matmul_reference
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 F16_OFFSETS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
@@ -105,6 +106,49 @@ def test_gemv_reduce_with_x_widened_before_or_in_the_kernel(ggml_type, m, seed):
     msg = f"{ggml_type.name} x[{m},{k}] seed {seed}"
     for wide, y in got.items():
         check(y, x, dense, jnp.float32, f"{msg} x_float32={wide}")
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,dtype", [(1, jnp.float32), (2, jnp.bfloat16), (12, jnp.bfloat16)])
+def test_many_weights_in_one_launch(ggml_type, m, dtype, seed):
+    """quant_matmul_many (GEMV reduce at 1-2 rows, skinny dot at 12): each output is x times its own weight, for
+    weights of unequal rows side by side, stacked (layer chosen, read in place) or not (odd rows padded)."""
+    rng = np.random.default_rng(seed)
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    k, layers = 4 * max(block, 64), 3
+    layer = int(rng.integers(0, layers))
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    for stacked, outs in ((True, (64, 16, 48)), (False, (40, 17))):
+        pairs = [[random_weight(rng, ggml_type, out, k) for _ in range(layers)] for out in outs]
+        if stacked:
+            ws = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in per]) for per in pairs)
+            got = quant_matmul_many(x, ws, jnp.int32(layer), interpret=backend.interpret())
+        else:
+            got = quant_matmul_many(x, tuple(per[layer][0] for per in pairs), interpret=backend.interpret())
+        assert len(got) == len(outs)
+        for i, (y, per) in enumerate(zip(got, pairs)):
+            check(y, x, per[layer][1], dtype, f"{ggml_type.name} weight {i} of {outs} stacked={stacked} "
+                                              f"layer {layer} x[{m}] seed {seed}")
+
+
+def test_linear_many_puts_each_format_in_one_launch(monkeypatch, seed):
+    """linear_many on packed layer slices of one layer: one fused-kernel launch per format (two Q4_K weights
+    together, the Q6_K one alone), outputs in the order given; a prefill-sized x takes no fused launch."""
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    k, layers = 512, 2
+    layer = jnp.int32(int(rng.integers(0, layers)))
+    specs = [(T.Q4_K, 48), (T.Q6_K, 32), (T.Q4_K, 16)]
+    pairs = [[random_weight(rng, t, out, k) for _ in range(layers)] for t, out in specs]
+    ws = [LayerSlice(jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in per]), layer) for per in pairs]
+    for rows in (1, 16, 17):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear_many(x, ws))(x))
+        launches = (jaxpr.count("name=quant_matmul_q4_k"), jaxpr.count("name=quant_matmul_q6_k"))
+        assert launches == ((1, 1) if rows <= 16 else (0, 0)), f"{rows} rows: launches {launches}"
+        for i, (y, per) in enumerate(zip(linear_mod.linear_many(x, ws), pairs)):
+            check(y, x, per[int(layer)][1], jnp.float32, f"weight {i} {specs[i]}, {rows} rows, seed {seed}")
 
 
 def test_k_splits_must_divide_the_blocks():

@@ -116,7 +116,7 @@ def _load_step(planes, sl) -> dict:
     return {name: planes[name][:, sl] for name in PLANES}
 
 
-def _kernel(*refs, weights, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
+def _kernel(*refs, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
     of tiles * BN rows), K steps split * steps ... of it; o [1, BM, tiles * BN] is that block's output."""
     # [layer], constants, per weight its planes (d, scales_h, scales_l, qs) whole, x words [BM, L, blocks, 4, 2, 2,
@@ -129,7 +129,7 @@ def _kernel(*refs, weights, tile_counts, stacked, block_n, tiles, kb, steps, lev
     stream = functools.partial(_stream_rows, xq_ref=xq_ref, xd_ref=xd_ref, o_ref=o_ref, magic=magic, layer=layer,
                                split=split, block_n=block_n, tiles=tiles, kb=kb, steps=steps, levels=levels,
                                prefetch=prefetch)
-    if weights == 1:
+    if len(tile_counts) == 1:
         stream(plane_refs, block * tiles * block_n)
         return
     first = 0
@@ -260,7 +260,9 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
             raise ValueError(f"x {x.shape} @ W.T needs every W [out, {k}]; got {[w.shape for w in ws]}")
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"x {x.shape} needs 1..{MAX_ROWS} rows")
-    fmt = KERNEL_FORMATS[FORMATS[0]]
+    if len({w.ggml_type for w in ws}) != 1:
+        raise NotImplementedError(f"one format per launch, got {[w.ggml_type.name for w in ws]}")
+    fmt = KERNEL_FORMATS[ws[0].ggml_type]
     ns = tuple(w.shape[0] for w in ws)
     bs = block_sizes or BlockSizes.get_default(m, sum(ns))
     blocks = k // fmt.block
@@ -285,7 +287,7 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
     out_dtype = out_dtype or x.dtype
     steps = blocks // (kb * splits)
-    kernel = functools.partial(_kernel, weights=len(ws), tile_counts=tile_counts, stacked=layer is not None,
+    kernel = functools.partial(_kernel, tile_counts=tile_counts, stacked=layer is not None,
                                block_n=bs.block_n, tiles=bs.tiles, kb=kb, steps=steps, levels=levels,
                                prefetch=bs.prefetches(steps), interpret=interpret)
     x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in (xq, xd)]
@@ -297,7 +299,7 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
         in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
         out_specs=pl.BlockSpec((1, m, program_rows), lambda i, j, s: (s, 0, j)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret, debug=debug, name=f"int8_gemv_{FORMATS[0].name.lower()}",
+        interpret=interpret, debug=debug, name=f"int8_gemv_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
       jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, xq, xd)
     y = sum_splits(y, out_dtype)

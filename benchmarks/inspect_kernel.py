@@ -1,0 +1,112 @@
+"""The int8 decode GEMV as a GPU would compile it, read without a GPU: registers, layout conversions, SASS opcodes.
+
+    python benchmarks/inspect_kernel.py --out 17408 --in 5120 --tiles 16,4,8 [--prefetch] [--dtype float32]
+    python benchmarks/inspect_kernel.py ... --triton /path/to/venv/bin/python   (a Python with PyPI's triton)
+
+Pallas lowers a kernel to Triton IR in Python, for any platform (`lower(lowering_platforms=("cuda",))` needs no
+GPU); this script captures that IR from the lowering and hands it to PyPI's Triton, which compiles it for sm_90 and
+bundles ptxas and cuobjdump. XLA compiles the same IR with its own copy of Triton's passes (another Triton version),
+so registers and instruction counts can differ from the device's: use it to compare variants before spending device
+time, and time them on the GPU.
+Triton is not a project dependency: install it in a separate environment (`python -m venv /tmp/tv &&
+/tmp/tv/bin/pip install triton==3.6.0`) and pass its Python with --triton.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from gguf.constants import GGMLQuantizationType as T  # noqa: E402
+from jax._src.pallas.triton import lowering  # noqa: E402
+
+from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
+from pallas_kernels import quant_gemv_int8 as qi  # noqa: E402
+
+# Run by the Triton Python: compile the IR file for sm_90, print one JSON line of what it found.
+_COMPILE = r"""
+import collections, json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+path, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+cubin = path + ".cubin"
+open(cubin, "wb").write(k.asm["cubin"])
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin], capture_output=True,
+                       text=True).stdout
+sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", cubin], capture_output=True, text=True).stdout
+ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+    r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M))
+print(json.dumps({"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "shared_bytes": k.metadata.shared,
+                  "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"),
+                  "sass_instructions": sum(ops.values()), "opcodes": dict(ops.most_common(16))}))
+"""
+
+
+def capture_triton_ir(fn, *avals) -> list[str]:
+    """The Triton IR text of every Pallas kernel in jit(fn) lowered for CUDA at these abstract inputs."""
+    captured, original = [], lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    return captured
+
+
+def int8_gemv_ir(out: int, k: int, rows: int, dtype, block_sizes: qi.BlockSizes) -> str:
+    """The int8 GEMV's Triton IR for x [rows, k] @ W[layer].T, W an IQ4_XS weight stacked two layers deep."""
+    blocks = k // 256
+    planes = {"d": ((blocks, 1), jnp.uint16), "scales_h": ((blocks, 1), jnp.uint16),
+              "scales_l": ((blocks, 4), jnp.uint8), "qs": ((blocks, 32), jnp.uint32)}
+    avals = {name: jax.ShapeDtypeStruct((2, out, *shape), dt) for name, (shape, dt) in planes.items()}
+
+    def product(x, planes):
+        w = QuantizedTensor(planes, T.IQ4_XS, (out, k), jnp.bfloat16)
+        return qi.int8_quant_matmul(x, w, jnp.int32(1), block_sizes=block_sizes)
+
+    (ir,) = capture_triton_ir(product, jax.ShapeDtypeStruct((rows, k), dtype), avals)
+    return ir
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=int, default=17408)
+    ap.add_argument("--in", dest="k", type=int, default=5120)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--tiles", default="16,4,8", help="block_n, blocks_k, warps")
+    ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
+    ap.add_argument("--keep", help="also write the Triton IR here")
+    args = ap.parse_args()
+    block_n, blocks_k, warps = (int(v) for v in args.tiles.split(","))
+    bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch=args.prefetch)
+    ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(args.keep) if args.keep else Path(d) / "kernel.ttir"
+        path.write_text(ir)
+        found = subprocess.run([args.triton, "-c", _COMPILE, str(path), str(warps), str(bs.num_stages)],
+                               capture_output=True, text=True)
+    if found.returncode:
+        sys.exit(f"Triton could not compile the IR (is triton installed for {args.triton}?):\n{found.stderr[-2000:]}")
+    report = json.loads(found.stdout.strip().splitlines()[-1])
+    print(json.dumps({"block_sizes": str(bs), "rows": args.rows, "x": args.dtype, **report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

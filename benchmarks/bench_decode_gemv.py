@@ -256,12 +256,13 @@ def int8_sweep(deadline: float, key, first_sweep: bool = True) -> list[dict]:
 STREAM_CASES = [(17408, 5120, 1, jnp.bfloat16), (17408, 5120, 1, jnp.float32), (5120, 17408, 1, jnp.bfloat16),
                 (10240, 5120, 1, jnp.float32), (6144, 5120, 1, jnp.float32), (12288, 5120, 1, jnp.bfloat16),
                 (5120, 6144, 1, jnp.float32), (1024, 5120, 1, jnp.bfloat16), (17408, 5120, 4, jnp.bfloat16)]
-STREAM_VARIANTS = [qi.BlockSizes(16, 4, 8), qi.BlockSizes(16, 4, 8, prefetch=True), qi.BlockSizes(16, 2, 8),
-                   qi.BlockSizes(16, 2, 8, prefetch=True), qi.BlockSizes(16, 2, 4, prefetch=True),
-                   qi.BlockSizes(8, 4, 8, prefetch=True), qi.BlockSizes(8, 2, 4, prefetch=True),
+STREAM_VARIANTS = [qi.BlockSizes(16, 4, 8, prefetch=False), qi.BlockSizes(16, 4, 8, prefetch=True),
+                   qi.BlockSizes(16, 2, 8, prefetch=False), qi.BlockSizes(16, 2, 8, prefetch=True),
+                   qi.BlockSizes(16, 2, 4, prefetch=True), qi.BlockSizes(8, 4, 8, prefetch=True),
+                   qi.BlockSizes(8, 2, 4, prefetch=True),
                    qi.BlockSizes(32, 2, 8, prefetch=True), qi.BlockSizes(16, 4, 4, prefetch=True),
                    qi.BlockSizes(16, 2, 8, prefetch=True, tiles=2), qi.BlockSizes(16, 2, 8, prefetch=True, tiles=4),
-                   qi.BlockSizes(16, 4, 8, prefetch=True, tiles=4), qi.BlockSizes(16, 2, 8, tiles=4),
+                   qi.BlockSizes(16, 4, 8, prefetch=True, tiles=4), qi.BlockSizes(16, 2, 8, prefetch=False, tiles=4),
                    qi.BlockSizes(16, 1, 8, prefetch=True), qi.BlockSizes(16, 1, 4, prefetch=True)]
 # Products of one input in a 27B decode step: (name, [out rows of each weight], x dtype, rows of x).
 PRODUCT_GROUPS = [("MLP gate + up", [17408, 17408], jnp.bfloat16, 1),

@@ -75,6 +75,28 @@ def sum_splits(y: jax.Array, out_dtype) -> jax.Array:
     return y[0] if y.shape[0] == 1 else y.sum(axis=0).astype(out_dtype)
 
 
+def per_weight_tile(tile, tile_counts: tuple[int, ...], body) -> None:
+    """Inside a kernel over several weights' row tiles side by side (weight i owns tile_counts[i] of them): calls
+    body(i, tile within weight i) for the weight that row tile `tile` (a program id) falls in."""
+    if len(tile_counts) == 1:
+        body(0, tile)
+        return
+    first = 0
+    for i, count in enumerate(tile_counts):
+        @pl.when((tile >= first) & (tile < first + count))
+        def _(i=i, first=first):
+            body(i, tile - first)
+
+        first += count
+
+
+def weight_outputs(y: jax.Array, widths: tuple[int, ...], kept: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """Each weight's output columns of y [M, sum(widths)], the weights' (padded) outputs side by side: the first
+    kept[i] of weight i's widths[i]."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return tuple(y[:, start: start + n] for start, n in zip(starts, kept))
+
+
 def pow2_divisor(size: int, most: int) -> int:
     """The largest power of two <= most that divides size (1 at least)."""
     b = most
@@ -106,16 +128,8 @@ def _kernel(layer_ref, x_ref, *refs, tiles, block_n, block_k, steps, reduce, dot
             acc = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
             o_ref[split, :, out_rows] = acc.astype(o_ref.dtype)
 
-    if len(w_refs) == 1:
-        product(w_refs[0], out_rows)
-        return
-    first = 0
-    for w_ref, count in zip(w_refs, tiles):
-        @pl.when((tile >= first) & (tile < first + count))
-        def _(w_ref=w_ref, first=first):
-            product(w_ref, pl.ds(pl.multiple_of((tile - first) * block_n, block_n), block_n))
-
-        first += count
+    per_weight_tile(tile, tiles, lambda i, local: product(
+        w_refs[i], pl.ds(pl.multiple_of(local * block_n, block_n), block_n)))
 
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -178,9 +192,7 @@ def stacked_gemv_many(x: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array,
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name="stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, *ws)
-    y = sum_splits(y[:, :m], out_dtype)
-    ends = [sum(ns[: i + 1]) for i in range(len(ns))]
-    return tuple(y[:, end - n : end] for n, end in zip(ns, ends))
+    return weight_outputs(sum_splits(y[:, :m], out_dtype), ns, ns)
 
 
 def stacked_gemv_reference(x: jax.Array, w: jax.Array, layer: jax.Array, out_dtype=None) -> jax.Array:

@@ -39,7 +39,8 @@ from gguf.constants import GGMLQuantizationType as T
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend
 from pallas_kernels import dot4
-from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
+from pallas_kernels.dense_gemv import (
+    per_weight_tile, split_count, split_out_shape, sum_splits, weight_outputs)
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import (
     IQ4_SIGNED_TABLE_WORDS, KERNEL_FORMATS, MAGIC, SIGNED_MAGIC, _s2f, iq4_xs_scales, iq4_xs_signed_bytes,
@@ -129,16 +130,8 @@ def _kernel(*refs, tile_counts, stacked, block_n, tiles, kb, steps, levels, pref
     stream = functools.partial(_stream_rows, xq_ref=xq_ref, xd_ref=xd_ref, o_ref=o_ref, magic=magic, layer=layer,
                                split=split, block_n=block_n, tiles=tiles, kb=kb, steps=steps, levels=levels,
                                prefetch=prefetch)
-    if len(tile_counts) == 1:
-        stream(plane_refs, block * tiles * block_n)
-        return
-    first = 0
-    for i, count in enumerate(tile_counts):
-        @pl.when((block >= first) & (block < first + count))
-        def _(i=i, first=first):
-            stream(plane_refs[len(PLANES) * i: len(PLANES) * (i + 1)], (block - first) * tiles * block_n)
-
-        first += count
+    per_weight_tile(block, tile_counts, lambda i, local: stream(
+        plane_refs[len(PLANES) * i: len(PLANES) * (i + 1)], local * tiles * block_n))
 
 
 def _stream_rows(plane_refs, first_row, *, xq_ref, xd_ref, o_ref, magic, layer, split, block_n, tiles, kb, steps,
@@ -302,6 +295,4 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
         interpret=interpret, debug=debug, name=f"int8_gemv_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
       jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, xq, xd)
-    y = sum_splits(y, out_dtype)
-    starts = [sum(padded[:i]) for i in range(len(ws))]
-    return tuple(y[:, start: start + n] for start, n in zip(starts, ns))
+    return weight_outputs(sum_splits(y, out_dtype), padded, ns)

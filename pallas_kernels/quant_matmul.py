@@ -38,7 +38,8 @@ from gguf.constants import GGMLQuantizationType as T
 from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from luxjax.ops import backend
 from pallas_kernels import byte_perm
-from pallas_kernels.dense_gemv import split_count, split_out_shape, sum_splits
+from pallas_kernels.dense_gemv import (
+    per_weight_tile, split_count, split_out_shape, sum_splits, weight_outputs)
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, in_kernel_order, kernel_magic
 
@@ -130,16 +131,8 @@ def _kernel(*refs, names, tile_counts, stacked, pieces, piece, kb, steps, reduce
         _product, names=names, x_ref=x_ref, xs_ref=xs_ref, o_ref=o_ref, layer=layer, split=pl.program_id(2),
         magic=kernel_magic(const_ref, use_byte_perm=use_byte_perm, interpret=interpret), pieces=pieces,
         piece=piece, kb=kb, steps=steps, reduce=reduce, dot_dtype=dot_dtype, precision=precision)
-    if len(tile_counts) == 1:
-        product(plane_refs, tile)
-        return
-    first = 0
-    for i, count in enumerate(tile_counts):
-        @pl.when((tile >= first) & (tile < first + count))
-        def _(i=i, first=first):
-            product(plane_refs[len(names) * i: len(names) * (i + 1)], tile - first)
-
-        first += count
+    per_weight_tile(tile, tile_counts, lambda i, local: product(
+        plane_refs[len(names) * i: len(names) * (i + 1)], local))
 
 
 def _product(plane_refs, tile, *, names, x_ref, xs_ref, o_ref, layer, split, magic, pieces, piece, kb, steps,
@@ -340,9 +333,7 @@ def _quant_matmul_many(x, ws, layer, *, block_sizes, out_dtype, interpret, debug
         interpret=interpret, debug=debug, name=f"quant_matmul_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
       jnp.asarray(KERNEL_CONSTANTS, jnp.uint32), *flat_planes, *x_inputs)
-    y = sum_splits(y, out_dtype)[:m]
-    starts = [sum(padded[:i]) for i in range(len(ws))]
-    return tuple(y[:, start: start + n] for start, n in zip(starts, ns))
+    return weight_outputs(sum_splits(y, out_dtype)[:m], padded, ns)
 
 
 def quant_matmul_reference(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:

@@ -237,10 +237,10 @@ def linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ...]:
     ws = tuple(ws)
     out = [None] * len(ws)
     if backend.use_pallas() and x.dtype in _KERNEL_X_DTYPES:
-        formats = {_packed_type(w) for w in ws} - {None}
+        types = [_packed_type(w) for w in ws]
         dense = [i for i, w in enumerate(ws) if _is_dense_slice(w)]
         wide = tuple(i for i in dense if ws[i].stacked.shape[1] % _FUSED_ROW_TILE == 0)
-        groups = [(tuple(i for i, w in enumerate(ws) if _packed_type(w) == t), _packed_linear_many) for t in formats]
+        groups = [(tuple(i for i, u in enumerate(types) if u == t), _packed_linear_many) for t in set(types) - {None}]
         groups += [(wide, _fused_in_place_linear), (tuple(i for i in dense if i not in wide), _fused_in_place_linear)]
         for group, fuse in groups:
             ys = fuse(x, tuple(ws[i] for i in group), out_dtype) if len(group) > 1 else None
@@ -315,9 +315,8 @@ def leading_rows(w: Weight | LayerSlice, count: int) -> Weight:
 
 def _reduces(rows: int, w) -> bool:
     """Whether `rows` rows of x times packed w take the fused kernel's GEMV reduce by default."""
-    w = w.stacked if isinstance(w, LayerSlice) else w
-    return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS
-            and rows <= KERNEL_FORMATS[w.ggml_type].reduce_rows)
+    ggml_type = _packed_type(w)
+    return ggml_type is not None and rows <= KERNEL_FORMATS[ggml_type].reduce_rows
 
 
 def _split_products(x: jax.Array, ws, low_rows) -> tuple[jax.Array, ...]:
@@ -362,8 +361,11 @@ def _decoded_for_prefill(w) -> jax.Array | None:
     """Packed w (or its layer) as the bf16 matrix a prefill-sized product reads, decoded by the Pallas dequantize
     kernel (in W's own column order), or None where prefill does not take that path (dense w, XLA chosen, formats
     without the kernel)."""
-    base, layer = (w.stacked, w.index) if isinstance(w, LayerSlice) else (w, None)
-    if not (isinstance(base, QuantizedTensor) and _dequantize_kernel_takes(base, jnp.bfloat16, layer)):
+    packed = _packed_layer(w)
+    if packed is None:
+        return None
+    base, layer = packed
+    if not _dequantize_kernel_takes(base, jnp.bfloat16, layer):
         return None
     from pallas_kernels import quant_dequantize
 

@@ -50,7 +50,7 @@ def profile_phase(name: str, fn, calls: int) -> dict:
     for k, (n, us) in top[:25]:
         print(f"| {k[:90]} | {n:.0f} | {us / 1e3:.3f} | {100 * us / 1e3 / max(gpu_ms, 1e-9):.1f}% |")
     return {"wall_ms": 1e3 * wall, "gpu_ms": gpu_ms, "gpu_idle_ms": idle_us / 1e3 / calls,
-            "kernels": [{"name": k, "launches": n, "ms": us / 1e3} for k, (n, us) in top[:80]]}
+            "kernels": [{"name": k, "launches": n, "ms": us / 1e3} for k, (n, us) in top]}
 
 
 def main():

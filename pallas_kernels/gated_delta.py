@@ -1,5 +1,6 @@
-"""Gated DeltaNet kernels: the recurrent (decode) update, the in-place decode step on layer-stacked states, and the
-scan of the chunked (prefill) form.
+"""Gated DeltaNet kernels: the recurrent (decode) update, the in-place decode step on layer-stacked states with the
+kernel before it that turns a decode token's projections into its delta-rule inputs (causal conv, norms, gates;
+conv window and pending row updated in place), and the scan of the chunked (prefill) form.
 
 The recurrence acts on each column of the state S [dk, dv] independently (S^T k, the rank-one update and
 S^T q all keep columns apart), so programs split dv into blocks: grid (B, H, dv / block_v), the state block
@@ -27,10 +28,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from luxjax.ops import backend
+from luxjax.ops.delta_rule import token_offsets
 from pallas_kernels.common import NEG, dot
 
 
@@ -283,11 +286,7 @@ def gated_delta_reference(q, k, v, g, beta, state):
 
 
 def _decode_step_kernel(
-    q_ref,  # [B, Hk, dk]  this token's q per key head (normalised, scaled)
-    k_ref,  # [B, Hk, dk]
-    v_ref,  # [B, H, dv]
-    g_ref,  # [B, H]
-    beta_ref,  # [B, H]
+    tokens_ref,  # [B, width]: this token's q, k (normalised, q scaled), v, g, beta packed (token_offsets)
     layer_ref,  # [1] int32: the layer of the stacks
     pick_ref,  # [B] int32: nonzero where the new state also becomes the boundary
     state_in_ref,  # [L, B, H, dv, dk] value-major, aliased to state_ref
@@ -297,17 +296,22 @@ def _decode_step_kernel(
     boundary_ref,  # [L, B, H, dv, dk]
     *,
     block_v: int,
-    group: int,
+    k_heads: int,
     tiled: bool,
 ):
     del boundary_in_ref  # written through its alias only
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    key_head = h % q_ref.shape[1] if tiled else h // group
+    heads, dv, dk = state_ref.shape[2:]
+    at = token_offsets(k_heads, dk, heads, dv)
+    key_head = h % k_heads if tiled else h // (heads // k_heads)
     layer = layer_ref[0]
     rows = pl.ds(j * block_v, block_v)
-    q, k = q_ref[b, key_head, :], k_ref[b, key_head, :]  # [dk]
-    s = state_in_ref[layer, b, h, rows, :] * jnp.exp(g_ref[b, h])  # [block_v, dk]: value rows
-    delta = beta_ref[b, h] * (v_ref[b, h, rows] - jnp.sum(s * k[None, :], axis=1))  # [block_v]
+    q = tokens_ref[b, pl.ds(at["q"] + key_head * dk, dk)]  # [dk]
+    k = tokens_ref[b, pl.ds(at["k"] + key_head * dk, dk)]
+    v = tokens_ref[b, pl.ds(at["v"] + h * dv + j * block_v, block_v)]  # [block_v]
+    g, beta = tokens_ref[b, at["g"] + h], tokens_ref[b, at["beta"] + h]
+    s = state_in_ref[layer, b, h, rows, :] * jnp.exp(g)  # [block_v, dk]: value rows
+    delta = beta * (v - jnp.sum(s * k[None, :], axis=1))  # [block_v]
     s = s + delta[:, None] * k[None, :]
     o_ref[b, h, rows] = jnp.sum(s * q[None, :], axis=1)
     state_ref[layer, b, h, rows, :] = s
@@ -320,38 +324,151 @@ def _decode_step_kernel(
 DECODE_STEP_BLOCK_V = 16  # value rows per program: 384 programs at 48 heads of 128, batch 1
 
 
-@functools.partial(jax.jit, static_argnames=("head_order", "block_v", "interpret", "debug"))
-def gated_delta_decode_step(q, k, v, g, beta, state, boundary, layer, pick, *, head_order: str = "grouped",
+@functools.partial(jax.jit, static_argnames=("k_heads", "head_order", "block_v", "interpret", "debug"))
+def gated_delta_decode_step(tokens, state, boundary, layer, pick, *, k_heads: int, head_order: str = "grouped",
                             block_v: int = DECODE_STEP_BLOCK_V, interpret: bool = False, debug: bool = False):
     """One decode token of the delta rule on states stacked over a decoder's layers, updated where they lie.
 
-    q, k [B, Hk, dk] (key heads shared by the H value heads in `head_order`, see luxjax.ops.delta_rule); v
-    [B, H, dv]; g, beta [B, H]; state, boundary [L, B, H, dv, dk] float32, value-major (the DeltaNet cache's
+    tokens [B, width] float32: each sequence's token packed as token_offsets says (q, k per key head, L2-normalised,
+    q scaled by dk^-0.5; the k_heads key heads shared by the H value heads in `head_order`, see
+    luxjax.ops.delta_rule; v; g; beta); state, boundary [L, B, H, dv, dk] float32, value-major (the DeltaNet cache's
     layout); layer: the layer stepped; pick [B] bool: the sequences whose new state also becomes their boundary.
     Returns (out [B, H, dv] float32, state, boundary), the stacks aliased to the inputs (in place in a layer scan's
     carry): of layer `layer`, every state row is rewritten and the boundary rows of the picked sequences; nothing else
     is read or written. As slices, XLA copied the layer's state out, rewrote it whole and rewrote the boundary on every
     step (an H200 decode profile of the 27B at batch 1: ~13 us per DeltaNet layer and step for the copies, XLA's two
-    reduce fusions and the write-backs; this kernel 3.7 us)."""
-    B, k_heads, dk = q.shape
-    H, dv = v.shape[1], v.shape[-1]
-    if state.shape[1:] != (B, H, dv, dk) or boundary.shape != state.shape:
-        raise ValueError(f"state {state.shape} and boundary {boundary.shape} must be [L, {B}, {H}, {dv}, {dk}]")
+    reduce fusions and the write-backs; this kernel 3.7 us). The token comes packed, as gated_delta_decode_inputs
+    writes it, so that no slicing of it runs between the two kernels."""
+    B = tokens.shape[0]
+    H, dv, dk = state.shape[2:]
+    if state.shape[1] != B or boundary.shape != state.shape:
+        raise ValueError(f"state {state.shape} and boundary {boundary.shape} must be [L, {B}, H, dv, dk]")
+    if tokens.shape[1] != token_offsets(k_heads, dk, H, dv)["width"]:
+        raise ValueError(f"tokens {tokens.shape} do not pack {k_heads} key heads of {dk} and {H} value heads of {dv}")
     if state.dtype != jnp.float32 or boundary.dtype != jnp.float32:  # updated in place: no conversion
         raise ValueError(f"state and boundary must be float32, got {state.dtype} and {boundary.dtype}")
     if H % k_heads or dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"need {H} value heads sharing {k_heads} key heads, power-of-two dk={dk} and block_v="
                          f"{block_v} dividing dv={dv}")
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_decode_step_kernel, block_v=block_v, group=H // k_heads, tiled=head_order == "tiled"),
+        functools.partial(_decode_step_kernel, block_v=block_v, k_heads=k_heads, tiled=head_order == "tiled"),
         grid=(B, H, dv // block_v),
         out_shape=[jax.ShapeDtypeStruct((B, H, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(boundary.shape, jnp.float32)],
-        input_output_aliases={7: 1, 8: 2},
+        input_output_aliases={3: 1, 4: 2},
         compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret,
         debug=debug,
         name="gated_delta_decode_step",
-    )(f32(q), f32(k), f32(v), f32(g), f32(beta), jnp.reshape(layer, (1,)).astype(jnp.int32),
-      pick.astype(jnp.int32), state, boundary)
+    )(tokens.astype(jnp.float32), jnp.reshape(layer, (1,)).astype(jnp.int32), pick.astype(jnp.int32), state,
+      boundary)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _softplus(x):
+    """log(1 + e^x) as jax.nn.softplus computes it (logaddexp(x, 0))."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _decode_inputs_kernel(
+    layer_ref,  # [2] int32: the layer of the cache stacks, the layer of the parameter stacks
+    active_ref,  # [B] int32: nonzero for the sequences taking this token
+    row_ref,  # [B] int32: the pending row the token goes to
+    qkv_ref,  # [B, C] float32: in_proj_qkv's output (q, k, v channels before the conv)
+    b_ref,  # [B, H]: in_proj_b's output (beta before its sigmoid)
+    a_ref,  # [B, H]: in_proj_a's output
+    conv_w_ref,  # [Lp, C, taps]: the causal conv's weights, stacked over layers
+    a_log_ref,  # [Lp, H]
+    dt_bias_ref,  # [Lp, H]
+    conv_in_ref,  # [L, B, taps - 1, C] float32: the last inputs of the conv, aliased to conv_ref
+    pending_in_ref,  # [L, B, BLOCK, width] float32, aliased to pending_ref
+    tokens_ref,  # [B, width]: out, the token's delta-rule inputs packed (token_offsets)
+    conv_ref,
+    pending_ref,
+    *,
+    k_heads: int,
+    tile: int,
+    eps: float,
+):
+    """Program (b, p): channels [p * tile, (p + 1) * tile) of sequence b, one head of q, k or v (dk = dv = tile)."""
+    del pending_in_ref  # written through its alias only
+    b, p = pl.program_id(0), pl.program_id(1)
+    heads = a_ref.shape[1]
+    at = token_offsets(k_heads, tile, heads, tile)
+    layer, param_layer, active, row = layer_ref[0], layer_ref[1], active_ref[b] != 0, row_ref[b]
+    cols = pl.ds(pl.multiple_of(p * tile, tile), tile)
+    taps = conv_w_ref.shape[2]
+    window = [conv_in_ref[layer, b, i, cols] for i in range(taps - 1)] + [qkv_ref[b, cols].astype(jnp.float32)]
+    acc = jnp.zeros((tile,), jnp.float32)
+    for j in range(taps):  # in the XLA form's order
+        acc = acc + window[j] * conv_w_ref[param_layer, cols, j].astype(jnp.float32)
+    x = acc * _sigmoid(acc)  # SiLU
+    is_q, is_k = p < k_heads, (p >= k_heads) & (p < 2 * k_heads)
+    normalised = x * jnp.where(is_q | is_k, lax.rsqrt(jnp.sum(x * x) + eps), 1.0)
+    y = jnp.where(is_q, normalised * tile**-0.5, jnp.where(is_q | active, normalised, 0.0))
+    tokens_ref[b, cols] = y
+
+    @pl.when(active)
+    def _():
+        for i in range(taps - 1):
+            conv_ref[layer, b, i, cols] = window[i + 1]
+        pending_ref[layer, b, row, cols] = y
+
+    @pl.when(p >= 2 * k_heads)
+    def _():
+        h = p - 2 * k_heads
+        beta = jnp.where(active, _sigmoid(b_ref[b, h].astype(jnp.float32)), 0.0)
+        g = -jnp.exp(a_log_ref[param_layer, h].astype(jnp.float32)) * _softplus(
+            a_ref[b, h].astype(jnp.float32) + dt_bias_ref[param_layer, h].astype(jnp.float32))
+        g = jnp.where(active, g, 0.0)
+        tokens_ref[b, at["g"] + h] = g
+        tokens_ref[b, at["beta"] + h] = beta
+
+        @pl.when(active)
+        def _():
+            pending_ref[layer, b, row, at["g"] + h] = g
+            pending_ref[layer, b, row, at["beta"] + h] = beta
+
+
+@functools.partial(jax.jit, static_argnames=("k_heads", "eps", "interpret", "debug"))
+def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, param_layer, conv, pending, layer, active, row,
+                              *, k_heads: int, eps: float = 1e-6, interpret: bool = False, debug: bool = False):
+    """A Gated DeltaNet decode token's delta-rule inputs from its projections, in one launch, with the layer's conv
+    window and pending row updated where they lie in their stacks.
+
+    qkv [B, C] (C = 2 * k_heads * d + H * d: q, k, v channels of head size d), b, a [B, H]: the projections of this
+    token; conv_weight [Lp, C, taps], a_log, dt_bias [Lp, H]: the layer's parameters at `param_layer` of their
+    stacks (read in place: as operands, the layer scan's slices of them were copies); conv [L, B, taps - 1, C]
+    float32: the conv's last inputs, stacked over layers; pending [L, B, BLOCK, width] float32: the rows since the
+    last block boundary; layer: the caches' layer; active [B] bool: the sequences taking a token (the others keep
+    every field and get k = v = g = beta = 0); row [B]: the pending row each token goes to. Per channel: the causal conv over [window; token], SiLU; q and k
+    L2-normalised per head (eps), q scaled by d^-0.5; beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias).
+    Returns (tokens [B, width] packed as token_offsets says, conv, pending), the stacks aliased to the inputs.
+    In XLA this was ~9 small fusions per layer and step (the window's slice and write-back, the norms, the masks,
+    the packing and the row's scatter: ~14 us per DeltaNet layer in an H200 decode profile of the 27B); this kernel
+    takes ~2.7 us there (benchmarks/RESULTS.md, session 19)."""
+    B, C = qkv.shape
+    heads, taps = a.shape[1], conv_weight.shape[2]
+    d = C // (2 * k_heads + heads)
+    at = token_offsets(k_heads, d, heads, d)
+    if C != at["g"] or d & (d - 1) or conv.shape[1:] != (B, taps - 1, C) or pending.shape[1] != B:
+        raise ValueError(f"qkv {qkv.shape} must hold {2 * k_heads} + {heads} heads of one power-of-two size, conv "
+                         f"{conv.shape} be [L, {B}, {taps - 1}, {C}]")
+    if pending.shape[3] != at["width"] or conv.dtype != jnp.float32 or pending.dtype != jnp.float32:
+        raise ValueError(f"pending {pending.shape} {pending.dtype} must be float32 rows of {at['width']}, conv "
+                         f"{conv.dtype} float32")
+    return pl.pallas_call(
+        functools.partial(_decode_inputs_kernel, k_heads=k_heads, tile=d, eps=eps),
+        grid=(B, 2 * k_heads + heads),
+        out_shape=[jax.ShapeDtypeStruct((B, at["width"]), jnp.float32), jax.ShapeDtypeStruct(conv.shape, conv.dtype),
+                   jax.ShapeDtypeStruct(pending.shape, pending.dtype)],
+        input_output_aliases={9: 1, 10: 2},  # conv, pending
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        debug=debug,
+        name="gated_delta_decode_inputs",
+    )(jnp.stack([layer, param_layer]).astype(jnp.int32), active.astype(jnp.int32), row.astype(jnp.int32), qkv, b,
+      a, conv_weight, a_log, dt_bias, conv, pending)

@@ -16,8 +16,8 @@ what ops.linear.split_linear sends for the DeltaNet, whose inputs are kept in fl
 sums are exact; each sub-block's level sums become floats (the 2^23 magic number), are combined and scaled once.
 
 The kernel reads W's packed planes in place (stacked over layers, one layer at a time, as the decoder does), each
-program owning BN output rows and streaming their blocks along K; x's levels are permuted (XLA, once per call) into
-the order the byte permutes emit values, four to an int32 word. int8_quant_matmul_many runs the projections of one
+program owning BN output rows and streaming their blocks along K; x is quantized once per call by a small kernel
+(quantized_words) into the order the byte permutes emit values, four levels' bytes to an int32 word. int8_quant_matmul_many runs the projections of one
 input (gate and up; q, k and v; the DeltaNet's four) as one launch with x quantized once: in a 27B decode step on an
 H200 that took batch-1 decode from 86 to 102 tokens/s (benchmarks/RESULTS.md, session 18). Programs with long K
 loops load the next step's words before decoding the current one's (BlockSizes.prefetch). Used where dot4 and
@@ -26,6 +26,7 @@ byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -110,6 +111,51 @@ def iq4_words(q: jax.Array) -> jax.Array:
     v = q.reshape(m, levels, k // 256, 4, 2, 2, 4, 2, 2)  # (g2, gp, hi, w, h, b)
     v = v.transpose(0, 1, 2, 3, 4, 7, 6, 8, 5)  # (g2, gp, h, w, b, hi)
     return lax.bitcast_convert_type(v.reshape(*v.shape[:7], 4), jnp.int32)
+
+
+def _quantize_kernel(const_ref, x_ref, q_ref, d_ref, *, levels, interpret):
+    """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x_ref [4, 2, 2, 4, 2, 2] is the
+    block as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp + 16*hi + 4*w + 2*h + b); q_ref [levels, 4, 2, 2, 4] its
+    words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the scales of its sub-blocks (g2, gp). Rounds by adding and
+    subtracting 1.5 * 2^23 (to nearest, ties to even: jnp.round's rule) with the constant loaded at run time."""
+    rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
+    bytes_at = list(itertools.product(range(2), range(2), range(2)))  # (hi, h, b)
+    rest = [x_ref[:, :, hi, :, h, b].astype(jnp.float32) for hi, h, b in bytes_at]  # each [4, 2, 4]: (g2, gp, w)
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])
+    d = jnp.maximum(amax, TINY) / 127.0  # [4, 2]: groups below 2^-100 quantize to zeros, as in quantize_x
+    d_ref[...] = d
+    for level in range(levels):
+        step = (d / LEVEL_STEP**level)[..., None]
+        words = [jnp.zeros((4, 2, 4), jnp.int32) for _ in range(2)]  # per h
+        for i, (hi, h, b) in enumerate(bytes_at):
+            q = jnp.clip((rest[i] / step + rounding) - rounding, -127.0, 127.0)
+            rest[i] = rest[i] - q * step
+            words[h] = words[h] | jnp.left_shift(q.astype(jnp.int32) & 0xFF, 8 * (2 * b + hi))
+        for h in range(2):
+            q_ref[level, :, :, h, :] = words[h]
+
+
+@functools.partial(jax.jit, static_argnames=("levels", "interpret"))
+def quantized_words(x: jax.Array, levels: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(iq4_words(q), d reshaped [M, K / 256, 4, 2]) for (q, d) = quantize_x(x, levels), as one kernel launch of one
+    program per 256 values: in XLA they were three fusions (the groups' maxima, the scales, the levels' words) per
+    GEMV launch (H200 profile of an IQ4_XS 27B decode step: 744 launches, 1.0 ms of 10.2; with this kernel 248
+    launches, 0.38 ms). Not bit for bit quantize_x where a compiler divides or fuses differently (a level may move
+    by one); within the same error bound."""
+    m, k = x.shape
+    blocks = k // 256
+    words, scales = pl.pallas_call(
+        functools.partial(_quantize_kernel, levels=levels, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, 4, 2, 2, 4), jnp.int32),
+                   jax.ShapeDtypeStruct((m, blocks, 4, 2), jnp.float32)),
+        grid=(m, blocks),
+        in_specs=[WHOLE, pl.BlockSpec((None, None, 4, 2, 2, 4, 2, 2), lambda r, j: (r, j, 0, 0, 0, 0, 0, 0))],
+        out_specs=(pl.BlockSpec((None, levels, None, 4, 2, 2, 4), lambda r, j: (r, 0, j, 0, 0, 0, 0)),
+                   pl.BlockSpec((None, None, 4, 2), lambda r, j: (r, j, 0, 0))),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="quantize_x",
+    )(jnp.asarray(_CONSTANTS, jnp.uint32), x.reshape(m, blocks, 4, 2, 2, 4, 2, 2))
+    return words, scales
 
 
 def _load_step(planes, sl) -> dict:
@@ -273,8 +319,7 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
     padded = tuple(p[0].shape[-3] for p in planes)  # d: [(L,) rows, blocks, 1]
     tile_counts = tuple(n // program_rows for n in padded)
     levels = levels or levels_for(x.dtype)
-    q, d = quantize_x(x, levels)
-    xq, xd = iq4_words(q), d.reshape(m, blocks, 4, 2)
+    xq, xd = quantized_words(x, levels, interpret=interpret)
     splits = bs.splits or split_count(sum(tile_counts), blocks // kb)
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")

@@ -14,6 +14,13 @@ class MatrixParam(nnx.Param):
     LayerSlice (luxjax.ops.linear), so that decode kernels read them in place."""
 
 
+class KernelParam(nnx.Param):
+    """A small per-layer parameter that a decode kernel takes as an operand (the DeltaNet's conv taps and decay
+    constants). Decode's layer scan leaves these stacked too, like MatrixParam, so code reading them takes
+    layer_value: a kernel operand cannot fuse the scan's slice of it, and XLA copied each one out of its stack for
+    every layer and step (an H200 decode profile of the 27B: three ~1.7 us copies per DeltaNet layer)."""
+
+
 class Linear(nnx.Module):
     """y = x @ W.T (+ b). W is [out, in]: a dense array or a packed QuantizedTensor (or, inside a layer scan,
     a LayerSlice of either)."""

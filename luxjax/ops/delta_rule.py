@@ -11,6 +11,8 @@ form steps token by token (decode). Padded tokens must carry beta = 0 and g = 0 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -212,22 +214,63 @@ def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool, boundary_block=N
     return recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 
-def gated_delta_decode_step(q, k, v, g, beta, state, boundary, pick, *, head_order: str = "grouped"):
+def token_offsets(k_heads: int, dk: int, heads: int, dv: int) -> dict[str, int]:
+    """Where a token's delta-rule inputs start in its packed row [q (Hk*dk), k (Hk*dk), v (H*dv), g (H), beta (H)]
+    (the DeltaNet cache's pending rows and the decode kernels' tokens), and the row's width."""
+    q, k, v = 0, k_heads * dk, 2 * k_heads * dk
+    g = v + heads * dv
+    return {"q": q, "k": k, "v": v, "g": g, "beta": g + heads, "width": g + 2 * heads}
+
+
+def decode_inputs_fused(conv, pending, dk: int, dv: int) -> bool:
+    """Whether gated_delta_decode_inputs takes a decode token: the conv window and pending rows as LayerSlices of
+    their stacks, the Pallas kernels chosen, key and value heads of one power-of-two size."""
+    return (isinstance(conv, LayerSlice) and isinstance(pending, LayerSlice) and backend.use_pallas()
+            and dk == dv and dk >= 16 and dk & (dk - 1) == 0)
+
+
+def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, conv: LayerSlice, pending: LayerSlice, active,
+                              row, *, k_heads: int, eps: float = 1e-6):
+    """A Gated DeltaNet decode token's packed delta-rule inputs from its projections (qkv [B, C], b, a [B, H]), the
+    conv window and pending row written where they lie: pallas_kernels.gated_delta.gated_delta_decode_inputs, where
+    decode_inputs_fused says so (the model's own XLA form otherwise). The parameters (conv_weight [C, taps], a_log,
+    dt_bias [H]) may be LayerSlices of one layer of their stacks (read there) or arrays. Returns (tokens [B, width],
+    conv, pending)."""
+    from pallas_kernels.gated_delta import gated_delta_decode_inputs as kernel
+
+    params = (conv_weight, a_log, dt_bias)
+    if all(isinstance(p, LayerSlice) and p.index is conv_weight.index for p in params):  # one layer of the stacks
+        stacks, param_layer = [p.stacked for p in params], conv_weight.index
+    else:
+        stacks, param_layer = [layer_value(p)[None] for p in params], jnp.zeros((), jnp.int32)
+    tokens, convs, rows = kernel(qkv, b, a, *stacks, param_layer, conv.stacked, pending.stacked, conv.index, active,
+                                 row, k_heads=k_heads, eps=eps, interpret=backend.interpret())
+    return tokens, LayerSlice(convs, conv.index), LayerSlice(rows, pending.index)
+
+
+def gated_delta_decode_step(tokens, k_heads: int, state, boundary, pick, *, head_order: str = "grouped"):
     """One decode token on states cached value-major ([B, H, dv, dk], the DeltaNet cache's layout), either arrays or
-    LayerSlices of stacks over a decoder's scanned layers. q, k [B, Hk, 1, dk]; v [B, H, 1, dv]; g, beta [B, H, 1];
-    pick [B] bool: sequences whose new state also becomes their boundary. Returns (out [B, H, 1, dv], state,
-    boundary): LayerSlices of the updated stacks, stepped where they lie by the Pallas kernel where
-    luxjax.ops.backend chooses it, else the recurrent form's state (an array) and the boundary written for the picked
-    sequences (a select, or a scatter into a LayerSlice's stack). (gated_delta_rule's recurrent form stays on XLA:
-    on separate arrays XLA's fusion was as fast; on the stacks the kernel saves the copies, see its docstring.)"""
+    LayerSlices of stacks over a decoder's scanned layers. tokens [B, width]: q, k (Hk = k_heads key heads), v, g,
+    beta packed as token_offsets says; pick [B] bool: sequences whose new state also becomes their boundary. Returns
+    (out [B, H, 1, dv], state, boundary): LayerSlices of the updated stacks, stepped where they lie by the Pallas
+    kernel where luxjax.ops.backend chooses it, else the recurrent form's state (an array) and the boundary written
+    for the picked sequences (a select, or a scatter into a LayerSlice's stack). (gated_delta_rule's recurrent form
+    stays on XLA: on separate arrays XLA's fusion was as fast; on the stacks the kernel saves the copies, see its
+    docstring.)"""
+    B = tokens.shape[0]
+    H, dv, dk = (state.stacked if isinstance(state, LayerSlice) else state).shape[-3:]
     if (isinstance(state, LayerSlice) and isinstance(boundary, LayerSlice) and backend.use_pallas()
-            and _kernel_supported(q, v) and head_order in HEAD_ORDERS):
+            and _dims_supported(dk, dv) and head_order in HEAD_ORDERS):
         from pallas_kernels.gated_delta import gated_delta_decode_step as kernel
 
-        out, states, boundaries = kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0],
-                                         state.stacked, boundary.stacked, state.index, pick, head_order=head_order,
-                                         interpret=backend.interpret())
+        out, states, boundaries = kernel(tokens, state.stacked, boundary.stacked, state.index, pick, k_heads=k_heads,
+                                         head_order=head_order, interpret=backend.interpret())
         return out[:, :, None], LayerSlice(states, state.index), LayerSlice(boundaries, boundary.index)
+    at = token_offsets(k_heads, dk, H, dv)
+    part = lambda name, *shape: tokens[:, at[name]: at[name] + math.prod(shape)].reshape(B, *shape)  # noqa: E731
+    q, k = (jnp.swapaxes(part(name, 1, k_heads, dk), 1, 2) for name in ("q", "k"))  # [B, Hk, 1, dk]
+    v = jnp.swapaxes(part("v", 1, H, dv), 1, 2)
+    g, beta = (jnp.swapaxes(part(name, 1, H), 1, 2) for name in ("g", "beta"))
     out, new = gated_delta_rule(q, k, v, g, beta, jnp.swapaxes(layer_value(state), -1, -2), chunked=False,
                                 head_order=head_order)
     new = jnp.swapaxes(new, -1, -2)
@@ -237,5 +280,8 @@ def gated_delta_decode_step(q, k, v, g, beta, state, boundary, pick, *, head_ord
 
 
 def _kernel_supported(q, v) -> bool:
-    dk, dv = q.shape[-1], v.shape[-1]
+    return _dims_supported(q.shape[-1], v.shape[-1])
+
+
+def _dims_supported(dk: int, dv: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))

@@ -236,9 +236,9 @@ def test_decode_step_on_stacked_states(seed, interpret, order, dk, dv):
     states = jnp.asarray(rng.standard_normal((L, B, H, dv, dk)), jnp.float32) * 0.5
     boundaries = jnp.asarray(rng.standard_normal((L, B, H, dv, dk)), jnp.float32)
     layer, pick = int(rng.integers(0, L)), jnp.asarray([True, False])
+    tokens = jnp.concatenate([x[:, :, 0].reshape(B, -1) for x in (q, k, v, g, beta)], axis=-1)  # as cached
     out, new_states, new_boundaries = gd.gated_delta_decode_step(
-        q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], states, boundaries, jnp.int32(layer), pick,
-        head_order=order, interpret=interpret)
+        tokens, states, boundaries, jnp.int32(layer), pick, k_heads=Hk, head_order=order, interpret=interpret)
     qe, ke = (expand_key_heads(x, H, order) for x in (q, k))
     ref_out, ref_state = gd.gated_delta_reference(qe, ke, v, g, beta, jnp.swapaxes(states[layer], -1, -2))
     ref_state = jnp.swapaxes(ref_state, -1, -2)

@@ -81,6 +81,47 @@ def test_quantized_x_within_its_bound(levels, seed):
     assert kept.sum() < kept.size and np.all(np.abs(q[:, 0]).reshape(3, -1, qi.GROUP).max(-1)[kept] >= 126)
 
 
+def unpermute_words(words: np.ndarray) -> np.ndarray:
+    """int32 words [M, L, K / 256, 4, 2, 2, 4] -> int8 levels [M, L, K], by the layout the GEMV's decoder wants
+    (spelled out here, not taken from the kernel's code): word (g2, gp, h, w) of a block holds, in byte 2*b + hi,
+    its value 64*g2 + 32*gp + 16*hi + 4*w + 2*h + b."""
+    m, levels, blocks = words.shape[:3]
+    q = np.zeros((m, levels, blocks, 256), np.int64)
+    b8 = _bytes(words)  # [..., g2, gp, h, w, byte]
+    for g2, gp, h, w, b, hi in np.ndindex(4, 2, 2, 4, 2, 2):
+        q[..., 64 * g2 + 32 * gp + 16 * hi + 4 * w + 2 * h + b] = b8[:, :, :, g2, gp, h, w, 2 * b + hi]
+    return q.reshape(m, levels, blocks * 256)
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("m, k", [(1, 1280), (3, 768), (4, 256)])
+def test_quantize_kernel_words(levels, dtype, m, k, seed, interpret):
+    """The quantization kernel's words and scales: x rebuilt from them (numpy reading the layout) within the
+    bound; scales max|x| / 127 per 32; ties rounded to even. (Not bit for bit the XLA form's: a compiler may divide
+    by a reciprocal or fuse the remainder's multiply-add in one and not the other, and a level then moves by one.)"""
+    rng = np.random.default_rng(seed)
+    x = np.array(random_x(rng, m, k, jnp.float32))
+    x[-1, -32:] = rng.integers(-126, 127, 32) + 0.5  # level 0 steps of 1 with ties (max |x| = 127)
+    x[-1, -32] = 127.0
+    x = jnp.asarray(x, dtype)
+    words, scales = qi.quantized_words(x, levels, interpret=interpret)
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    groups = np.abs(np.asarray(jnp.asarray(x, jnp.float32))).reshape(m, -1, qi.GROUP)
+    want_d = np.maximum(groups.max(-1), np.float32(qi.TINY)) / np.float32(127)
+    d = np.asarray(scales).reshape(m, -1)
+    # XLA may divide by 127 as a multiply by its reciprocal: within one float32 rounding of the quotient
+    np.testing.assert_allclose(d, want_d, rtol=1.2e-7, atol=0, err_msg=f"seed {seed}")
+    q = unpermute_words(np.asarray(words))
+    assert np.abs(q).max() <= 127
+    steps = d.astype(np.float64)[:, None, :, None] / qi.LEVEL_STEP ** np.arange(levels)[None, :, None, None]
+    rebuilt = (q.reshape(m, levels, -1, qi.GROUP) * steps).sum(1).reshape(m, k)
+    excess = np.abs(rebuilt - x64) - x_error_bound(x64, levels)
+    assert excess.max() <= 0, f"seed {seed}: the kernel's levels miss x by more than their bound"
+    ties = q[-1, 0, -31:]  # level 0 of the tie group: n + 0.5 rounded to the even neighbour
+    np.testing.assert_array_equal(ties, 2 * np.round(x64[-1, -31:] / 2), err_msg=f"seed {seed}: ties")
+
+
 def check_against_bound(got, x, dense, levels: int, msg: str):
     """|got - x @ W.T| <= sum |w| * (x's quantization bound) + float32 accumulation (1e-6 of sum |x||w|)."""
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)

@@ -321,7 +321,8 @@ IN_PLACE_RTOL = {"xla": 1e-6, "pallas": 2e-5}
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
 def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_seed, kernels, monkeypatch):
     """Decode steps whose layers get LayerSlices of the stacked caches (rows scattered into the stacks, the KV rows
-    read where they lie: by the decode attention kernel, interpreted, with `kernels` pallas) leave the same caches
+    read where they lie; with `kernels` pallas, interpreted: the decode attention kernel, the DeltaNet's token-inputs
+    kernel writing its conv window and pending row, its state step) leave the same caches
     and logits as steps on the layers' slices: random cache contents, one sequence completing a 64-token DeltaNet
     block (its boundary moves) beside an idle one, then both active. The fixture's layers stack two deep, so a
     kernel reading the wrong layer shows."""
@@ -332,9 +333,16 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
 
     from luxjax.ops import backend as ops_backend
 
+    from pallas_kernels import gated_delta
+
+    traced = []  # the DeltaNet decode kernels traced (the token's inputs, the state's step)
+    monkeypatch.setattr(ops_backend, "use_pallas", lambda: kernels == "pallas")  # "xla" on a GPU too
     if kernels == "pallas":
-        monkeypatch.setattr(ops_backend, "use_pallas", lambda: True)
         monkeypatch.setattr(ops_backend, "interpret", lambda: True)
+        for name in ("gated_delta_decode_inputs", "gated_delta_decode_step"):
+            real = getattr(gated_delta, name)
+            monkeypatch.setattr(gated_delta, name, lambda *a, _real=real, _name=name, **k: traced.append(_name)
+                                or _real(*a, **k))
     jax.clear_caches()  # the kernel choice is made at trace time
     backend = fixture_model_f32.backend
     assert jax.tree.leaves(backend.init_cache(1, 64))[0].shape[0] > 1, "the layers must stack more than one deep"
@@ -374,5 +382,7 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
     moved = [not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(place_caches))]
     assert all(moved), f"{where}: some cache arrays were never written"
+    if kernels == "pallas":
+        assert {"gated_delta_decode_inputs", "gated_delta_decode_step"} <= set(traced), traced
     print(f"{where}, {kernels} kernels: in-place and sliced caches agree within {worst:.3g} of their largest values")
     jax.clear_caches()  # no later test may reuse a step traced with the patched choice

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from luxjax.checkpoint.quants import QuantizedTensor
-from luxjax.layers.basic import Embedding, Linear, MatrixParam, ZeroCenteredRMSNorm
+from luxjax.layers.basic import Embedding, KernelParam, Linear, MatrixParam, ZeroCenteredRMSNorm
 from luxjax.layers.rope import interleaved_mrope_axes, inverse_frequencies, mrope_cos_sin
 from luxjax.models.qwen35.attention import GatedAttention, empty_kv_cache
 from luxjax.models.qwen35.config import FULL_ATTENTION, TextConfig
@@ -70,11 +70,12 @@ def _is_packed_matrix(path, value) -> bool:
     return isinstance(value, MatrixParam) and isinstance(value.get_value(), QuantizedTensor)
 
 
-# What Decoder's weights_in_place names: "all" for decode (the GEMV kernels read every layer in place); "packed" for a
-# prefill compiled with backend.LAYER_SCAN_GEMM_OPTIONS (cuBLAS reads the scan's dense slices in place, the
-# dequantize kernel the stacked packed ones); "none" for training (gradients through plain slices).
+# What Decoder's weights_in_place names: "all" for decode (the GEMV kernels read every layer's matrices in place, the
+# DeltaNet's kernel its KernelParams); "packed" for a prefill compiled with backend.LAYER_SCAN_GEMM_OPTIONS (cuBLAS
+# reads the scan's dense slices in place, the dequantize kernel the stacked packed ones); "none" for training
+# (gradients through plain slices).
 InPlace = Literal["none", "packed", "all"]
-_IN_PLACE_FILTERS = {"none": None, "packed": _is_packed_matrix, "all": MatrixParam}
+_IN_PLACE_FILTERS = {"none": None, "packed": _is_packed_matrix, "all": nnx.Any(MatrixParam, KernelParam)}
 
 
 def _layer_slices(matrices, index):

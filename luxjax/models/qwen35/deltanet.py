@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from luxjax.layers.basic import GatedRMSNorm, Linear, row_sum
+from luxjax.layers.basic import GatedRMSNorm, KernelParam, Linear, row_sum
 from luxjax.models.qwen35.config import TextConfig
-from luxjax.ops.delta_rule import gated_delta_decode_step, gated_delta_rule
+from luxjax.ops.delta_rule import (
+    decode_inputs_fused, gated_delta_decode_inputs, gated_delta_decode_step, gated_delta_rule)
 from luxjax.ops.linear import LayerSlice, layer_value, linear_many, split_linear_many
 
 
@@ -91,9 +92,9 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_b = Linear(w("in_proj_b.weight"))
         self.in_proj_a = Linear(w("in_proj_a.weight"))
         conv = w("conv1d.weight")  # [conv_dim, 1, kernel] as stored
-        self.conv_weight = nnx.Param(conv.reshape(conv.shape[0], conv.shape[-1]))
-        self.dt_bias = nnx.Param(w("dt_bias"))
-        self.A_log = nnx.Param(w("A_log"))
+        self.conv_weight = KernelParam(conv.reshape(conv.shape[0], conv.shape[-1]))
+        self.dt_bias = KernelParam(w("dt_bias"))
+        self.A_log = KernelParam(w("A_log"))
         self.norm = GatedRMSNorm(w("norm.weight"), cfg.rms_norm_eps)
         self.out_proj = Linear(w("out_proj.weight"))
 
@@ -101,7 +102,7 @@ class GatedDeltaNet(nnx.Module):
         """Causal depthwise conv over [previous inputs; this chunk] with float32 accumulation (the reference conv
         rounds once, not per tap), then SiLU. Returns the new conv state: the last kernel-1 inputs up to each
         sequence's last valid token."""
-        w = self.conv_weight.get_value().astype(jnp.float32)
+        w = layer_value(self.conv_weight.get_value()).astype(jnp.float32)
         kernel = w.shape[-1]
         T = qkv.shape[1]
         xs = jnp.concatenate([cache_conv.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
@@ -134,18 +135,49 @@ class GatedDeltaNet(nnx.Module):
         out = take_rows(jnp.swapaxes(out, 1, 2), offset, T)
         return out, (as_cached(state), as_cached(boundary), last_block_rows(buffer, filled))
 
-    def _decode_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid):
+    def _decode(self, qkv, b, a, cache: DeltaNetCache, start, valid):
         """Recurrent form from `state` for one token; its inputs join the pending rows, and when they complete a
         block the boundary moves to the new state (the pending rows then count from 0 again: prefill reads only
         rows < start % BLOCK). Idle rows (valid False) keep every field. Fields given as LayerSlices of the stacked
-        caches (decode) are updated in their stacks (luxjax.ops.delta_rule.gated_delta_decode_step, write_row)."""
-        if tokens.q.shape[1] != 1:
-            raise ValueError(f"the recurrent (decode) form takes one token per sequence, got {tokens.q.shape[1]}")
+        caches (decode) are updated in their stacks: the token's inputs, conv window and pending row by one kernel
+        where luxjax.ops.delta_rule.decode_inputs_fused says so, the state by gated_delta_decode_step.
+        Returns (out [B, 1, v_heads, v_dim], (conv, state, boundary, pending))."""
+        if qkv.shape[1] != 1:
+            raise ValueError(f"the recurrent (decode) form takes one token per sequence, got {qkv.shape[1]}")
         active, row = valid[:, 0], start % BLOCK
-        out, state, boundary = gated_delta_decode_step(*self._heads_major(tokens), cache.state, cache.boundary,
+        if decode_inputs_fused(cache.conv, cache.pending, self.k_dim, self.v_dim):
+            packed, conv, pending = gated_delta_decode_inputs(
+                qkv[:, 0], b[:, 0], a[:, 0], self.conv_weight.get_value(), self.A_log.get_value(),
+                self.dt_bias.get_value(), cache.conv, cache.pending, active, row, k_heads=self.k_heads)
+        else:
+            tokens, conv = self._token_inputs(qkv, b, a, layer_value(cache.conv), valid)
+            packed = tokens.packed()[:, 0]
+            pending = write_row(cache.pending, packed[:, None], row, active)
+        out, state, boundary = gated_delta_decode_step(packed, self.k_heads, cache.state, cache.boundary,
                                                        active & (row == BLOCK - 1), head_order=self.head_order)
-        pending = write_row(cache.pending, tokens.packed(), row, active)
-        return jnp.swapaxes(out, 1, 2), (state, boundary, pending)
+        return jnp.swapaxes(out, 1, 2), (conv, state, boundary, pending)
+
+    def _token_inputs(self, qkv, b, a, conv_window, valid) -> tuple[DeltaInputs, jax.Array]:
+        """The delta rule's inputs of a chunk from its projections (qkv [B, T, C], b, a [B, T, v_heads]) and the conv
+        window before it: the causal conv and SiLU, q and k L2-normalised (q scaled), beta and the decay; padded
+        tokens (valid False) get k = v = g = beta = 0. Returns (inputs, the conv window after the chunk)."""
+        B, T, _ = qkv.shape
+        qkv, new_conv = self._conv(qkv, conv_window, jnp.sum(valid, axis=1).astype(jnp.int32))
+        key_dim = self.k_heads * self.k_dim
+        q = qkv[..., :key_dim].reshape(B, T, self.k_heads, self.k_dim)
+        k = qkv[..., key_dim : 2 * key_dim].reshape(B, T, self.k_heads, self.k_dim)
+        v = qkv[..., 2 * key_dim :].reshape(B, T, self.v_heads, self.v_dim)
+
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        a_log, dt_bias = (layer_value(p.get_value()).astype(jnp.float32) for p in (self.A_log, self.dt_bias))
+        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        g = jnp.where(valid[..., None], g, 0.0)
+
+        q = l2_normalize(q.astype(jnp.float32)) * (self.k_dim**-0.5)
+        k = jnp.where(valid[..., None, None], l2_normalize(k.astype(jnp.float32)), 0.0)
+        v = jnp.where(valid[..., None, None], v.astype(jnp.float32), 0.0)
+        return DeltaInputs(q, k, v, g, beta), new_conv
 
     def __call__(self, x, cache: DeltaNetCache, start, valid, *, chunked: bool, dtype, block_aligned: bool = False
                  ) -> tuple[jax.Array, DeltaNetCache]:
@@ -153,40 +185,24 @@ class GatedDeltaNet(nnx.Module):
         padded tokens leave the state unchanged. `dtype`: the compute mode (bfloat16: projections through
         split_linear_many, see the module doc). block_aligned (chunked form): the caller knows every start is a
         multiple of BLOCK (no pending rows), so the chunked form runs one block fewer; a wrong claim gives wrong
-        results."""
+        results. Cache fields may come as LayerSlices of caches stacked over the scanned layers (decode; see
+        _decode); the chunked form reads the layer's values."""
         B, T, _ = x.shape
         x = x.astype(jnp.float32)
-        # Fields may come as LayerSlices of caches stacked over the scanned layers (decode): the decode step updates
-        # state, boundary and pending in their stacks (gated_delta_decode_step, write_row); every other use reads
-        # the layer's values.
-        cache = DeltaNetCache(*(layer_value(x) for x in cache)) if chunked else cache._replace(
-            conv=layer_value(cache.conv))
-        valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
         qkv, z, b, a = self._project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a),
                                      (2 * self.k_heads * self.k_dim, 0, None, None), dtype)
         z = z.reshape(B, T, self.v_heads, self.v_dim)
-        qkv, new_conv = self._conv(qkv, cache.conv, valid_len)
-        key_dim = self.k_heads * self.k_dim
-        q = qkv[..., :key_dim].reshape(B, T, self.k_heads, self.k_dim)
-        k = qkv[..., key_dim : 2 * key_dim].reshape(B, T, self.k_heads, self.k_dim)
-        v = qkv[..., 2 * key_dim :].reshape(B, T, self.v_heads, self.v_dim)
-
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        a_log = self.A_log.get_value().astype(jnp.float32)
-        g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias.get_value().astype(jnp.float32))
-        beta = jnp.where(valid[..., None], beta, 0.0)
-        g = jnp.where(valid[..., None], g, 0.0)
-
-        q = l2_normalize(q.astype(jnp.float32)) * (self.k_dim**-0.5)
-        k = jnp.where(valid[..., None, None], l2_normalize(k.astype(jnp.float32)), 0.0)
-        v = jnp.where(valid[..., None, None], v.astype(jnp.float32), 0.0)
-        tokens = DeltaInputs(q, k, v, g, beta)
+        conv_dtype = layer_value(cache.conv).dtype
         if chunked:
+            cache = DeltaNetCache(*(layer_value(c) for c in cache))
+            tokens, conv = self._token_inputs(qkv, b, a, cache.conv, valid)
+            valid_len = jnp.sum(valid, axis=1).astype(jnp.int32)
             out, (state, boundary, pending) = self._prefill_rule(tokens, cache, start, valid_len, block_aligned)
         else:
-            out, (state, boundary, pending) = self._decode_rule(tokens, cache, start, valid)
+            out, (conv, state, boundary, pending) = self._decode(qkv, b, a, cache, start, valid)
         out = self.norm(out.astype(x.dtype), z).reshape(B, T, self.v_heads * self.v_dim)
-        new_cache = DeltaNetCache(new_conv.astype(cache.conv.dtype), state, boundary, pending)
+        new_cache = DeltaNetCache(conv if isinstance(conv, LayerSlice) else conv.astype(conv_dtype), state, boundary,
+                                  pending)
         return self._project(out, (self.out_proj,), (0,), dtype)[0], new_cache
 
     @staticmethod

@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels vs the XLA recurrent and chunked forms: padded tokens (beta = g = 0), nonzero state, the
-state entering a given chunk (the DeltaNet cache's boundary)."""
+state entering a given chunk (the DeltaNet cache's boundary); the decode token-inputs kernel vs the layer's float64
+definition in numpy."""
 from __future__ import annotations
 
 import jax
@@ -256,3 +257,69 @@ def test_decode_step_on_stacked_states(seed, interpret, order, dk, dv):
     for name, new, old in [("state", new_states, states), ("boundary", new_boundaries, boundaries)]:
         np.testing.assert_array_equal(np.asarray(new[others]), np.asarray(old[others]),
                                       err_msg=f"{where}: another layer's {name} changed")
+
+
+
+def _decode_inputs_oracle(qkv, b, a, conv_w, a_log, dt_bias, window, active, k_heads: int, d: int, eps=1e-6):
+    """float64 numpy, from the Gated DeltaNet definition: the causal conv over [window; token], SiLU, q and k
+    L2-normalised per head (q scaled by d^-0.5), beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias); idle
+    sequences get k = v = g = beta = 0. Returns the packed rows [q, k, v, g, beta] [B, width]."""
+    f = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    taps = np.concatenate([f(window), f(qkv)[:, None]], axis=1)  # [B, taps, C]
+    conv = np.einsum("btc,ct->bc", taps, f(conv_w))
+    x = conv / (1 + np.exp(-conv))
+    B = x.shape[0]
+
+    def unit(y):
+        heads = y.reshape(B, -1, d)
+        return (heads / np.sqrt((heads**2).sum(-1, keepdims=True) + eps)).reshape(B, -1)
+
+    q, k, v = np.split(x, [k_heads * d, 2 * k_heads * d], axis=1)
+    beta = 1 / (1 + np.exp(-f(b)))
+    g = -np.exp(f(a_log)) * np.logaddexp(f(a) + f(dt_bias), 0.0)
+    on = np.asarray(active, bool)[:, None]
+    return np.concatenate([unit(q) * d**-0.5, np.where(on, unit(k), 0), np.where(on, v, 0), np.where(on, g, 0),
+                           np.where(on, beta, 0)], axis=1)
+
+
+@pytest.mark.parametrize("k_heads,heads,d,taps", [(2, 6, 16, 4), (1, 3, 32, 3)])
+def test_decode_inputs_kernel(seed, interpret, k_heads, heads, d, taps):
+    """gated_delta_decode_inputs against the float64 definition: the packed token row; for the active sequences the
+    conv window shifted by the token and the pending row written at its row (63 included), in the given layer of
+    the stacks only; the idle sequence's window and rows untouched; parameters read at their own stack layer."""
+    from luxjax.ops.delta_rule import token_offsets
+
+    rng = np.random.default_rng(seed)
+    B, L, Lp, block = 3, 3, 3, 64
+    C = (2 * k_heads + heads) * d
+    width = token_offsets(k_heads, d, heads, d)["width"]
+    normal = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, jnp.float32)  # noqa: E731
+    qkv, b, a = normal(B, C), normal(B, heads, s=2.0), normal(B, heads, s=2.0)
+    conv_w = normal(Lp, C, taps, s=0.5).astype(jnp.bfloat16)
+    a_log, dt_bias = normal(Lp, heads), normal(Lp, heads).astype(jnp.bfloat16)
+    conv, pending = normal(L, B, taps - 1, C), normal(L, B, block, width)
+    layer, param_layer = int(rng.integers(0, L - 1)), Lp - 1  # apart from each other and from 0
+    active, row = jnp.asarray([True, False, True]), jnp.asarray([block - 1, 5, int(rng.integers(0, block - 1))])
+    tokens, new_conv, new_pending = gd.gated_delta_decode_inputs(
+        qkv, b, a, conv_w, a_log, dt_bias, jnp.int32(param_layer), conv, pending, jnp.int32(layer), active, row,
+        k_heads=k_heads, interpret=interpret)
+    want = _decode_inputs_oracle(qkv, b, a, conv_w[param_layer], a_log[param_layer], dt_bias[param_layer],
+                                 conv[layer], active, k_heads, d)
+    where = f"{k_heads=} {heads=} {d=} {taps=} layer {layer} params {param_layer}, seed {seed}"
+    np.testing.assert_allclose(np.asarray(tokens), want, rtol=2e-5, atol=2e-6, err_msg=f"{where}: tokens")
+    new_conv, new_pending, conv, pending = (np.asarray(x) for x in (new_conv, new_pending, conv, pending))
+    window = np.concatenate([conv[layer], np.asarray(qkv)[:, None]], axis=1)[:, 1:]
+    for s in range(B):
+        if active[s]:
+            np.testing.assert_array_equal(new_conv[layer, s], window[s], err_msg=f"{where}: sequence {s}'s window")
+            np.testing.assert_array_equal(new_pending[layer, s, int(row[s])], np.asarray(tokens)[s],
+                                          err_msg=f"{where}: sequence {s}'s pending row")
+            others = np.arange(block) != int(row[s])
+            np.testing.assert_array_equal(new_pending[layer, s, others], pending[layer, s, others],
+                                          err_msg=f"{where}: sequence {s}'s other pending rows")
+        else:
+            np.testing.assert_array_equal(new_conv[layer, s], conv[layer, s], err_msg=f"{where}: idle window")
+            np.testing.assert_array_equal(new_pending[layer, s], pending[layer, s], err_msg=f"{where}: idle rows")
+    others = np.asarray([i for i in range(L) if i != layer])
+    np.testing.assert_array_equal(new_conv[others], conv[others], err_msg=f"{where}: another layer's window")
+    np.testing.assert_array_equal(new_pending[others], pending[others], err_msg=f"{where}: another layer's rows")

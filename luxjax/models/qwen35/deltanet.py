@@ -163,6 +163,7 @@ class GatedDeltaNet(nnx.Module):
         tokens (valid False) get k = v = g = beta = 0. Returns (inputs, the conv window after the chunk)."""
         B, T, _ = qkv.shape
         qkv, new_conv = self._conv(qkv, conv_window, jnp.sum(valid, axis=1).astype(jnp.int32))
+        new_conv = new_conv.astype(conv_window.dtype)
         key_dim = self.k_heads * self.k_dim
         q = qkv[..., :key_dim].reshape(B, T, self.k_heads, self.k_dim)
         k = qkv[..., key_dim : 2 * key_dim].reshape(B, T, self.k_heads, self.k_dim)
@@ -192,7 +193,6 @@ class GatedDeltaNet(nnx.Module):
         qkv, z, b, a = self._project(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a),
                                      (2 * self.k_heads * self.k_dim, 0, None, None), dtype)
         z = z.reshape(B, T, self.v_heads, self.v_dim)
-        conv_dtype = layer_value(cache.conv).dtype
         if chunked:
             cache = DeltaNetCache(*(layer_value(c) for c in cache))
             tokens, conv = self._token_inputs(qkv, b, a, cache.conv, valid)
@@ -201,9 +201,7 @@ class GatedDeltaNet(nnx.Module):
         else:
             out, (conv, state, boundary, pending) = self._decode(qkv, b, a, cache, start, valid)
         out = self.norm(out.astype(x.dtype), z).reshape(B, T, self.v_heads * self.v_dim)
-        new_cache = DeltaNetCache(conv if isinstance(conv, LayerSlice) else conv.astype(conv_dtype), state, boundary,
-                                  pending)
-        return self._project(out, (self.out_proj,), (0,), dtype)[0], new_cache
+        return self._project(out, (self.out_proj,), (0,), dtype)[0], DeltaNetCache(conv, state, boundary, pending)
 
     @staticmethod
     def _project(x, linears, low_rows, dtype):

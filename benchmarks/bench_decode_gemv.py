@@ -385,10 +385,11 @@ def main():
         rows = stream_sweep(start + 0.7 * args.seconds, key)
         first = [r for r in rows if (r["out"], r["in"], r["m"]) == STREAM_CASES[0][:3]]
         best = max(first, key=lambda r: r["gb_s"])["block_sizes"] if first else None
-        bs = (qi.BlockSizes(*[int(v) for v in args.group_tiles.split(",")[:3]],
-                            prefetch=bool(int(args.group_tiles.split(",")[3])),
-                            tiles=int(args.group_tiles.split(",")[4])) if args.group_tiles
-              else next((v for v in STREAM_VARIANTS if str(v) == best), None))
+        if args.group_tiles:
+            block_n, blocks_k, warps, prefetch, tiles = (int(v) for v in args.group_tiles.split(","))
+            bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch=bool(prefetch), tiles=tiles)
+        else:
+            bs = next((v for v in STREAM_VARIANTS if str(v) == best), None)
         groups = group_sweep(start + args.seconds, key, bs)
         if args.json:
             Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "read_gb_s": read, "rows": rows,

@@ -17,9 +17,10 @@ sums are exact; each sub-block's level sums become floats (the 2^23 magic number
 
 The kernel reads W's packed planes in place (stacked over layers, one layer at a time, as the decoder does), each
 program owning BN output rows and streaming their blocks along K; x is quantized once per call by a small kernel
-(quantized_words) into the order the byte permutes emit values, four levels' bytes to an int32 word. int8_quant_matmul_many runs the projections of one
-input (gate and up; q, k and v; the DeltaNet's four) as one launch with x quantized once: in a 27B decode step on an
-H200 that took batch-1 decode from 86 to 102 tokens/s (benchmarks/RESULTS.md, session 18). Programs with long K
+(quantized_words) into the order the byte permutes emit values, four values of a level to an int32 word.
+int8_quant_matmul_many runs the projections of one input (gate and up; q, k and v; the DeltaNet's four) as one
+launch with x quantized once: in a 27B decode step on an H200 that took batch-1 decode from 86 to 102 tokens/s
+(benchmarks/RESULTS.md, session 18). Programs with long K
 loops load the next step's words before decoding the current one's (BlockSizes.prefetch). Used where dot4 and
 byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce stays (see uses_int8).
 """

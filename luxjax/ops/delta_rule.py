@@ -202,7 +202,7 @@ def gated_delta_rule(q, k, v, g, beta, state, *, chunked: bool, boundary_block=N
     form stays on XLA: its fused elementwise update ran near HBM peak, faster than the Pallas recurrent kernel (29
     vs 47 us at B=16, 48 heads)."""
     if chunked:
-        if backend.use_pallas() and _kernel_supported(q, v):
+        if backend.use_pallas() and _dims_supported(q.shape[-1], v.shape[-1]):
             from pallas_kernels.gated_delta import gated_delta_chunked
 
             return gated_delta_chunked(q, k, v, g, beta, state, boundary_block=boundary_block, head_order=head_order,
@@ -226,7 +226,7 @@ def decode_inputs_fused(conv, pending, dk: int, dv: int) -> bool:
     """Whether gated_delta_decode_inputs takes a decode token: the conv window and pending rows as LayerSlices of
     their stacks, the Pallas kernels chosen, key and value heads of one power-of-two size."""
     return (isinstance(conv, LayerSlice) and isinstance(pending, LayerSlice) and backend.use_pallas()
-            and dk == dv and dk >= 16 and dk & (dk - 1) == 0)
+            and dk == dv and _dims_supported(dk, dv))
 
 
 def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, conv: LayerSlice, pending: LayerSlice, active,
@@ -279,9 +279,6 @@ def gated_delta_decode_step(tokens, k_heads: int, state, boundary, pick, *, head
     return out, new, jnp.where(pick.reshape(pick.shape + (1,) * (new.ndim - 1)), new, boundary)
 
 
-def _kernel_supported(q, v) -> bool:
-    return _dims_supported(q.shape[-1], v.shape[-1])
-
-
 def _dims_supported(dk: int, dv: int) -> bool:
+    """Whether the Pallas delta-rule kernels take key and value heads of these sizes (powers of two, >= 16)."""
     return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))

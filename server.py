@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key")
     p.add_argument("--dtype", choices=["bfloat16", "float32"])
     p.add_argument("--cache-dir")
-    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step while other streams decode")
+    p.add_argument("--solo-prefill-chunk", type=int, help="prompt tokens per prefill step while none decodes")
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("-a", "--alias", dest="model_alias", help="model id reported by /v1/models")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -71,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from luxjax.engine.scheduler import Engine
     from luxjax.http.app import create_app
+    from luxjax.http.settings import engine_options
 
     model = load_model(settings)
     backend = model.backend
-    engine = Engine(backend, max_concurrency=settings.max_concurrency, max_queue=settings.max_queue,
-                    max_ctx=settings.max_ctx, prefill_chunk=settings.prefill_chunk).start()
+    engine = Engine(backend, **engine_options(settings)).start()
     print(f"model: {settings.model or '(packaged default)'} as {settings.model_id!r}; vocab {backend.vocab_size}, "
           f"dtype {backend.dtype}, images {'yes' if backend.supports_images else 'no (start with --mmproj)'}; "
           f"context {engine.max_ctx} x {engine.max_concurrency} slots, queue {engine.max_queue}", flush=True)

@@ -91,7 +91,7 @@ def start_random_server(args):
     from benchmarks.model_configs import CONFIGS
     from luxjax.engine.scheduler import Engine
     from luxjax.http.app import create_app
-    from luxjax.http.settings import Settings
+    from luxjax.http.settings import Settings, engine_options
     from luxjax.models.qwen35.config import ModelConfig
     from luxjax.models.qwen35.load import build
     from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
@@ -114,8 +114,7 @@ def start_random_server(args):
     del tensors, torch_model
     settings = Settings(model=args.random_config, dtype=args.dtype, max_ctx=args.max_ctx,
                         max_concurrency=args.slots, max_queue=256)
-    engine = Engine(backend, max_concurrency=args.slots, max_queue=256, max_ctx=args.max_ctx,
-                    prefill_chunk=settings.prefill_chunk).start()
+    engine = Engine(backend, **engine_options(settings)).start()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=free_port(),
                                            log_level="warning", access_log=False))
     threading.Thread(target=server.run, daemon=True).start()

@@ -1,6 +1,8 @@
 """Continuous batching: one thread owns the device caches of `max_concurrency` slots and, each iteration, admits
 queued requests into free slots, runs at most one prefill chunk, then one batched decode step for every decoding
-slot. Requests talk to it through GenerationRequest objects (events flow back to their asyncio loop)."""
+slot. A prefill chunk is `prefill_chunk` tokens while other streams decode (their next token waits for it), up to
+`solo_prefill_chunk` while none does (most prompts in one step: a packed model decodes its weights once per step).
+Requests talk to it through GenerationRequest objects (events flow back to their asyncio loop)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from luxjax.contract import Backend, Prompt
-from luxjax.engine.generate import PREFILL_CHUNK
+from luxjax.engine.generate import PREFILL_CHUNK, SOLO_PREFILL_CHUNK
 from luxjax.engine.requests import (Delta, Failed, Finished, GenerationRequest, SamplingParams, Timings,
                                     TokenLogprob)
 from luxjax.engine.sampling import RowParams, StopStringFilter, sample_tokens, top_logprobs_width
 from luxjax.errors import RequestError
-from luxjax.vision.spans import plan_prefill_chunks
+from luxjax.vision.spans import next_chunk_end
 
 log = logging.getLogger("luxjax.engine")
 
@@ -34,13 +36,11 @@ class SlotState:
 
     request: GenerationRequest
     image_rows: object
-    chunks: list[tuple[int, int]]
     decoder: object
     stops: StopStringFilter
     admitted_at: float
     image_encode_s: float
-    next_chunk: int = 0
-    cached: int = 0  # tokens in the slot's cache
+    cached: int = 0  # tokens in the slot's cache (while prefilling: the prompt tokens prefilled so far)
     last_token: int = 0
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
@@ -49,7 +49,7 @@ class SlotState:
 
     @property
     def prefilling(self) -> bool:
-        return self.next_chunk < len(self.chunks)
+        return self.cached < self.request.prompt.num_tokens
 
 
 def internal_error(what: str, exc: BaseException) -> RequestError:
@@ -73,12 +73,14 @@ def clear_row(counts, slot):
 
 class Engine:
     def __init__(self, backend: Backend, *, max_concurrency: int = 4, max_queue: int = 64, max_ctx: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, prompt_workers: int = 2):
+                 prefill_chunk: int = PREFILL_CHUNK, solo_prefill_chunk: int = SOLO_PREFILL_CHUNK,
+                 prompt_workers: int = 2):
         self.backend = backend
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
         self.max_ctx = min(max_ctx or backend.max_context, backend.max_context)
         self.prefill_chunk = prefill_chunk
+        self.solo_prefill_chunk = max(solo_prefill_chunk, prefill_chunk)
         self.eos_ids = frozenset(backend.tokenizer.eos_token_ids)
         self._prompt_pool = ThreadPoolExecutor(prompt_workers, thread_name_prefix="luxjax-prompt")
         self._queue: collections.deque[GenerationRequest] = collections.deque()
@@ -207,9 +209,7 @@ class Engine:
         if prompt.image_spans:
             rows = self.backend.encode_images(prompt.image_inputs)
             jax.block_until_ready(rows)
-        chunks = plan_prefill_chunks(prompt.num_tokens, prompt.image_spans, self.prefill_chunk,
-                                     self.backend.keep_images_whole)
-        return SlotState(request, rows, chunks, self.backend.tokenizer.incremental_decoder(),
+        return SlotState(request, rows, self.backend.tokenizer.incremental_decoder(),
                         StopStringFilter(request.params.stop), admitted_at=began,
                         image_encode_s=time.perf_counter() - began)
 
@@ -219,16 +219,20 @@ class Engine:
             return
         _, i = min(waiting)
         seq = self._slots[i]
-        begin, end = seq.chunks[seq.next_chunk]
+        prompt = seq.request.prompt
+        others_decoding = any(s is not None and not s.prefilling for s in self._slots)
+        begin = seq.cached
+        end = next_chunk_end(begin, prompt.num_tokens, prompt.image_spans,
+                             self.prefill_chunk if others_decoding else self.solo_prefill_chunk,
+                             self.backend.keep_images_whole)
         try:
-            logits, self._caches = self.backend.prefill(self._caches, i, seq.request.prompt, seq.image_rows, begin, end)
+            logits, self._caches = self.backend.prefill(self._caches, i, prompt, seq.image_rows, begin, end)
         except Exception as exc:
             log.exception("request %s: prefill failed", seq.request.request_id)
             self._slots[i] = None
             seq.request.send(Failed(exc if isinstance(exc, RequestError) else internal_error("prefill", exc)))
             self._recover_caches()
             return
-        seq.next_chunk += 1
         seq.cached = end
         if seq.prefilling:
             return

@@ -23,6 +23,7 @@ class Settings:
     dtype: str = "bfloat16"
     cache_dir: str | None = None
     prefill_chunk: int = 512  # prompt tokens per prefill step, so long prompts do not stall running streams
+    solo_prefill_chunk: int = 2048  # ... while no stream is decoding: most prompts in one step (first token sooner)
     max_body_bytes: int = 48 * MiB
     model_alias: str | None = None  # the id /v1/models reports; default: the model file or folder name
     log_level: str = "info"
@@ -32,6 +33,12 @@ class Settings:
         if self.model_alias:
             return self.model_alias
         return Path(self.model).name if self.model else "luxjax-default"
+
+
+def engine_options(settings: Settings) -> dict[str, int]:
+    """The scheduler's keyword arguments (luxjax.engine.scheduler.Engine) these settings give."""
+    return {name: getattr(settings, name) for name in
+            ("max_concurrency", "max_queue", "max_ctx", "prefill_chunk", "solo_prefill_chunk")}
 
 
 def field_names() -> list[str]:
@@ -55,7 +62,7 @@ def build_settings(file_values: dict[str, Any], cli_values: dict[str, Any]) -> S
     settings = Settings(**merged)
     if settings.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be bfloat16 or float32, not {settings.dtype!r}")
-    for name in ("max_ctx", "max_concurrency", "prefill_chunk", "max_body_bytes"):
+    for name in ("max_ctx", "max_concurrency", "prefill_chunk", "solo_prefill_chunk", "max_body_bytes"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name} must be positive")
     if settings.max_queue < 0:

@@ -40,24 +40,34 @@ def plan_prefill_chunks(num_tokens: int, spans: Sequence[tuple[int, int]], chunk
     ends where the image starts. The one exception to the size limit: an image longer than chunk_size gets a chunk
     of its own, exactly its span.
     """
+    _check_chunking(num_tokens, spans, chunk_size, keep_images_whole)  # even for an empty prompt
+    chunks, start = [], 0
+    while start < num_tokens:
+        end = next_chunk_end(start, num_tokens, spans, chunk_size, keep_images_whole)
+        chunks.append((start, end))
+        start = end
+    return chunks
+
+
+def next_chunk_end(start: int, num_tokens: int, spans: Sequence[tuple[int, int]], chunk_size: int,
+                   keep_images_whole: bool) -> int:
+    """The end of the prefill chunk that begins at `start` (a chunk boundary of plan_prefill_chunks' rules): the
+    scheduler asks one chunk at a time, its size depending on whether other streams are decoding."""
+    _check_chunking(num_tokens, spans, chunk_size, keep_images_whole)
+    end = min(start + chunk_size, num_tokens)
+    if keep_images_whole:
+        straddled = next(((s, e) for s, e in spans if e > end), None)  # the first span not held whole
+        if straddled is not None and straddled[0] < end < straddled[1]:
+            end = straddled[0] if straddled[0] > start else straddled[1]
+    return end
+
+
+def _check_chunking(num_tokens: int, spans: Sequence[tuple[int, int]], chunk_size: int, keep_images_whole: bool
+                    ) -> None:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if keep_images_whole:
         _check_spans(spans, num_tokens)
-    chunks = []
-    start, next_span = 0, 0
-    while start < num_tokens:
-        end = min(start + chunk_size, num_tokens)
-        if keep_images_whole:
-            while next_span < len(spans) and spans[next_span][1] <= end:  # spans this chunk holds whole
-                next_span += 1
-            if next_span < len(spans):
-                span_start, span_end = spans[next_span]
-                if span_start < end < span_end:
-                    end = span_start if span_start > start else span_end
-        chunks.append((start, end))
-        start = end
-    return chunks
 
 
 def _check_spans(spans: Sequence[tuple[int, int]], num_tokens: int) -> None:

@@ -51,11 +51,10 @@ def serve(model, **settings_overrides):
     """(engine, ServerThread) for the model with these settings."""
     from luxjax.engine.scheduler import Engine
     from luxjax.http.app import create_app
-    from luxjax.http.settings import Settings
+    from luxjax.http.settings import Settings, engine_options
 
     settings = Settings(**{"model": str(MODEL_DIR), "dtype": "float32", "max_ctx": MAX_CTX, **settings_overrides})
-    engine = Engine(model.backend, max_concurrency=settings.max_concurrency, max_queue=settings.max_queue,
-                    max_ctx=settings.max_ctx, prefill_chunk=settings.prefill_chunk).start()
+    engine = Engine(model.backend, **engine_options(settings)).start()
     return engine, ServerThread(create_app(engine, settings))
 
 

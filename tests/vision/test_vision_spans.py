@@ -1,10 +1,10 @@
-"""image_spans and plan_prefill_chunks: exact validation and random property tests (fresh seed each run)."""
+"""image_spans, plan_prefill_chunks and next_chunk_end: exact validation and random property tests (fresh seed each run)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from luxjax.vision.spans import image_spans, plan_prefill_chunks
+from luxjax.vision.spans import image_spans, next_chunk_end, plan_prefill_chunks
 from vision_helpers import fresh_seed
 
 PAD = 7
@@ -69,6 +69,33 @@ def test_plan_prefill_chunks_random(keep_images_whole):
         check_plan(chunks, len(ids), spans, chunk_size, keep_images_whole, f"seed={seed} size={chunk_size} {spans}")
         if not keep_images_whole:
             assert all(end - start == chunk_size for start, end in chunks[:-1])
+
+
+@pytest.mark.parametrize("keep_images_whole", [True, False])
+def test_next_chunk_end_with_changing_sizes(keep_images_whole):
+    """One chunk at a time, each of its own size (the scheduler's way: small beside decoding streams, large
+    alone): the chunks tile the prompt, each obeys its own size and the span rule, and a constant size gives
+    plan_prefill_chunks' plan."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        ids, spans, _ = random_prompt(rng)
+        start = 0
+        while start < len(ids):
+            size = int(rng.integers(1, 150))
+            end = next_chunk_end(start, len(ids), spans, size, keep_images_whole)
+            context = f"seed={seed} chunk={start, end} size={size} spans={spans}"
+            assert start < end <= len(ids), context
+            assert end - start <= size or (keep_images_whole and (start, end) in spans), context
+            if keep_images_whole:
+                assert not any(s < end < e for s, e in spans), context
+            start = end
+        constant = int(rng.integers(1, 150))
+        walked, start = [], 0
+        while start < len(ids):
+            walked.append((start, next_chunk_end(start, len(ids), spans, constant, keep_images_whole)))
+            start = walked[-1][1]
+        assert walked == plan_prefill_chunks(len(ids), spans, constant, keep_images_whole), f"seed={seed}"
 
 
 def test_plan_examples():

@@ -185,6 +185,34 @@ def test_block_aligned_prefill_matches_general(fixture_model_f32, session_seed):
     print(f"{where}: block-aligned vs general: logits {diff:.3g}, caches {cache_diff:.3g}")
 
 
+def test_quarter_step_bucket_matches_power_of_two_chunks(fixture_model_f32, session_seed):
+    """A chunk of 513..640 tokens pads to 640 rows (a quarter step above 512, backend.bucket), not to 1,024: its
+    logits, caches and next decode step match the same prompt prefilled in power-of-two buckets (chunks of 512
+    and the rest)."""
+    from luxjax.models.qwen35.backend import TOKEN_QUARTERS_ABOVE, bucket
+
+    rng = np.random.default_rng((session_seed + PROMPT_SEED_OFFSET + 2) % 2**31)
+    total = int(rng.integers(513, 641))
+    assert bucket(total, quarters_above=TOKEN_QUARTERS_ABOVE) == 640
+    backend = fixture_model_f32.backend
+    prompt = backend.prompt_from_ids(rng.integers(0, NORMAL_TOKENS, size=total).tolist(), None)
+    logits, caches, token, after = run_prefill(backend, prompt, total)
+    c_logits, c_caches, c_token, c_after = run_prefill(backend, prompt, 512)
+    where = f"LUXJAX_TEST_SEED={session_seed}: {total} tokens in one chunk and in chunks of 512"
+    diff = max_abs(logits, c_logits)
+    print(f"{where}: logits {diff:.3g}, next step {max_abs(after, c_after):.3g}, largest logit "
+          f"{np.abs(logits).max():.3g}")
+    tol = ALIGNED_TOL
+    if diff > tol:  # other GEMM shapes on a GPU round apart: held to a share of float32's own error there
+        truth = float64_logits(FIXTURE_HF, Case("text", list(prompt.token_ids), []))
+        tol = max(tol, FLOAT32_SHARE * max(max_abs(logits, truth), max_abs(c_logits, truth)))
+    assert diff <= tol, f"{where}: logits differ by {diff:.3g} at position {worst_row(logits, c_logits)}"
+    cache_diff = compare_caches(caches, c_caches, total, where, tol)
+    next_diff = max_abs(after, c_after)
+    assert token == c_token and next_diff <= tol, f"{where}: next step differs by {next_diff:.3g}"
+    print(f"{where}: logits {diff:.3g}, caches {cache_diff:.3g}, next step {next_diff:.3g}")
+
+
 def test_recurrent_decode_matches_prefill(fixture_model_f32):
     """A text prompt fed one token at a time through backend.decode (recurrent DeltaNet form, one KV row per step)
     gives the one-pass prefill's logits at every position."""

@@ -19,12 +19,23 @@ from luxjax.vision.messages import parse_messages
 from luxjax.vision.patch_codes import PatchCodes
 from luxjax.vision.types import ImageInputs
 
+# Padded sizes (bucket): powers of two up to these, quarter steps of an octave above them: prompt chunks (512:
+# chunks of 513-2,048 tokens pad to 640, 768, ..., 2,048) and image patch counts (2,048: 2,560, 3,072, ...).
+TOKEN_QUARTERS_ABOVE = 512
+PATCH_QUARTERS_ABOVE = 2048
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Next power of two >= n (and >= minimum): a few static shapes instead of one compile per length."""
+
+def bucket(n: int, minimum: int = 16, quarters_above: int | None = None) -> int:
+    """The padded size for n: the next power of two >= n (and >= minimum), a few static shapes instead of one
+    compile per length; from `quarters_above` on, the next quarter step (5/4, 6/4, 7/4 or 2 times a power of two
+    >= quarters_above), so a size just past a power of two pads by a quarter at most instead of doubling (a
+    1,100-token prompt ran as 2,048 tokens)."""
     size = minimum
     while size < n:
         size *= 2
+    half = size // 2
+    if quarters_above is not None and half >= quarters_above:
+        return next(half + q * half // 4 for q in range(1, 5) if half + q * half // 4 >= n)
     return size
 
 
@@ -94,7 +105,7 @@ class Qwen35Backend:
         count (PatchCodes travel as their uint8 codes and table and are expanded there) and the grid, a row per frame
         padded to a bucketed count, sent in one transfer; the tower lays the patches out from the grid itself."""
         pixels = image_inputs.pixel_values
-        padded = bucket(len(pixels), 64)
+        padded = bucket(len(pixels), 64, quarters_above=PATCH_QUARTERS_ABOVE)
         frames = int(np.asarray(image_inputs.grid_thw)[:, 0].sum())
         # the rows padded to cuDNN's packed-segment count at least: the tower compiles per patch bucket only
         grid = frame_grid(image_inputs.grid_thw, bucket(frames, MAX_PACKED_SEGMENTS))
@@ -124,7 +135,7 @@ class Qwen35Backend:
         """Prompt tokens [begin, end) of the sequence in `slot` (begin tokens already cached). block_aligned: see
         model.prefill; None (the engine's way) sets it where begin is a multiple of the DeltaNet block."""
         n = end - begin
-        size = bucket(n)
+        size = bucket(n, quarters_above=TOKEN_QUARTERS_ABOVE)
         ids = np.zeros(size, np.int32)
         ids[:n] = prompt.token_ids[begin:end]
         positions = np.zeros((3, size), np.int32)

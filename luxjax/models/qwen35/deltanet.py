@@ -119,21 +119,24 @@ class GatedDeltaNet(nnx.Module):
     def _prefill_rule(self, tokens: DeltaInputs, cache: DeltaNetCache, start, valid_len, block_aligned: bool):
         """Chunked form from `boundary` over [pending tokens; this chunk]: its blocks start at multiples of BLOCK
         from token 0 whatever the chunking, so every block sees the inputs it sees in a one-pass prefill and the
-        float32 results do not depend on the chunk size. Returns (out [B, T, v_heads, v_dim], new cache fields)."""
+        float32 results do not depend on the chunk size. Returns (out [B, T, v_heads, v_dim], new cache fields).
+        block_aligned (no pending rows): the chunk's inputs go to the rule as they are, not packed into a buffer
+        behind the pending rows and unpacked again (two copies of them fewer)."""
         T = tokens.q.shape[1]
-        offset = start % BLOCK  # = the pending rows
-        # room for up to BLOCK - 1 pending rows and the block holding the last token, whole; with no pending rows
-        # (block_aligned) a 1,024-token chunk takes 16 blocks, not 17
-        pending_room = 0 if block_aligned else BLOCK
-        buffer_rows = -(-(pending_room + T) // BLOCK) * BLOCK
-        buffer = place_after_pending(cache.pending, tokens.packed(), offset, buffer_rows)
-        filled = offset + valid_len
-        shapes = input_shapes(self.k_heads, self.k_dim, self.v_heads, self.v_dim)
-        inputs = self._heads_major(unpack(buffer, shapes))
-        out, state, boundary = gated_delta_rule(*inputs, as_cached(cache.boundary), chunked=True,
+        if block_aligned:
+            buffer_rows = -(-T // BLOCK) * BLOCK
+            inputs = DeltaInputs(*(pad_rows(x, buffer_rows) for x in tokens))
+            offset, filled = jnp.zeros_like(valid_len), valid_len
+        else:  # room for up to BLOCK - 1 pending rows and the block holding the last token, whole
+            offset = start % BLOCK  # = the pending rows
+            buffer_rows = -(-(BLOCK + T) // BLOCK) * BLOCK
+            buffer = place_after_pending(cache.pending, tokens.packed(), offset, buffer_rows)
+            inputs = unpack(buffer, input_shapes(self.k_heads, self.k_dim, self.v_heads, self.v_dim))
+            filled = offset + valid_len
+        out, state, boundary = gated_delta_rule(*self._heads_major(inputs), as_cached(cache.boundary), chunked=True,
                                                 boundary_block=filled // BLOCK, head_order=self.head_order)
         out = take_rows(jnp.swapaxes(out, 1, 2), offset, T)
-        return out, (as_cached(state), as_cached(boundary), last_block_rows(buffer, filled))
+        return out, (as_cached(state), as_cached(boundary), last_block_rows(inputs, filled))
 
     def _decode(self, qkv, b, a, cache: DeltaNetCache, start, valid):
         """Recurrent form from `state` for one token; its inputs join the pending rows, and when they complete a
@@ -227,10 +230,17 @@ def take_rows(x, begin, size: int):
     return jax.vmap(lambda r, b: jax.lax.dynamic_slice_in_dim(r, b, size, axis=0))(x, begin)
 
 
-def last_block_rows(buffer, filled):
-    """The rows of the block holding token `filled` [B] (the next pending rows), zero from that token on."""
+def last_block_rows(inputs: DeltaInputs, filled):
+    """The rows of the block holding token `filled` [B] (the next pending rows), packed, zero from that token on.
+    inputs: the buffer the rule ran on, its rows a whole number of blocks."""
     block_start = filled // BLOCK * BLOCK
-    return first_rows(take_rows(buffer, block_start, BLOCK), filled - block_start)
+    block = DeltaInputs(*(take_rows(x, block_start, BLOCK) for x in inputs))
+    return first_rows(block.packed(), filled - block_start)
+
+
+def pad_rows(x, rows: int):
+    """x [B, T, ...] with zero rows appended up to `rows`."""
+    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def first_rows(x, count):

@@ -1,4 +1,5 @@
-"""image_spans, plan_prefill_chunks and next_chunk_end: exact validation and random property tests (fresh seed each run)."""
+"""image_spans, plan_prefill_chunks and next_chunk_end: exact validation and random property tests (fresh seed each
+run)."""
 from __future__ import annotations
 
 import numpy as np

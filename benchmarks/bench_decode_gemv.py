@@ -224,30 +224,37 @@ def int8_candidates():
     return [qi.BlockSizes(bn, kb, warps) for bn, kb, warps in itertools.product((8, 16, 32), (2, 4, 8), (4, 8))]
 
 
-def int8_sweep(deadline: float, key, first_sweep: bool = True) -> list[dict]:
-    """IQ4_XS at 1..4 rows: the int8 GEMV (every tile candidate on the first shape and case, then the best three
-    everywhere) against the float GEMV reduce's default tiles."""
+def int8_sweep(deadline: float, key, first_sweep: bool = True, formats=("IQ4_XS",), defaults_only: bool = False
+               ) -> list[dict]:
+    """Packed formats at 1..4 rows: the int8 GEMV (on the first format's first shape and case every tile candidate,
+    then the best three everywhere; with first_sweep off the default and INT8_EXTRA; with defaults_only the default
+    tiles) against the float GEMV reduce's default tiles. Formats after the first run the default tiles only, on the
+    MLP's two shapes."""
     rows, ranked = [], []
-    for shape_i, (out, k) in enumerate(INT8_SHAPES):
-        stacked, layers, nbytes = stacked_weight("IQ4_XS", out, k, key)
-        for case_i, (m, dtype) in enumerate(INT8_CASES):
-            x = jax.random.normal(key, (m, k), dtype)
-            first = shape_i == case_i == 0 and first_sweep
-            variants = [("float reduce", qm._stacked_block_sizes(T.IQ4_XS, m, out))]
-            variants += [("int8", bs) for bs in (int8_candidates() if first else dict.fromkeys(
-                [qi.BlockSizes.get_default(m, out), *ranked[:3], *INT8_EXTRA]))]
-            for name, bs in variants:
-                if time.time() > deadline or (name == "int8" and out % bs.block_n):
-                    continue
-                row = iq4_row(bs, x, stacked, layers, nbytes, out, kernel=name)
-                if row is None:
-                    continue
-                rows.append(row)
-                if first and name == "int8":
-                    ranked.append(bs)
-            if first:  # fastest first
-                ranked.sort(key=lambda bs: -next(r["gb_s"] for r in rows if r["block_sizes"] == str(bs)))
-        del stacked
+    for fmt_i, fmt in enumerate(formats):
+        shapes = INT8_SHAPES if fmt_i == 0 else INT8_SHAPES[:2]
+        for shape_i, (out, k) in enumerate(shapes):
+            stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+            for case_i, (m, dtype) in enumerate(INT8_CASES):
+                x = jax.random.normal(key, (m, k), dtype)
+                first = fmt_i == shape_i == case_i == 0 and first_sweep and not defaults_only
+                default = qi.BlockSizes.get_default(m, out)
+                variants = [("float reduce", qm._stacked_block_sizes(T[fmt], m, out))]
+                tiles = (int8_candidates() if first else [default] if fmt_i or defaults_only
+                         else dict.fromkeys([default, *ranked[:3], *INT8_EXTRA]))
+                variants += [("int8", bs) for bs in tiles]
+                for name, bs in variants:
+                    if time.time() > deadline or (name == "int8" and out % bs.block_n):
+                        continue
+                    row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, kernel=name)
+                    if row is None:
+                        continue
+                    rows.append(row)
+                    if first and name == "int8":
+                        ranked.append(bs)
+                if first:  # fastest first
+                    ranked.sort(key=lambda bs: -next(r["gb_s"] for r in rows if r["block_sizes"] == str(bs)))
+            del stacked
     return rows
 
 
@@ -271,16 +278,16 @@ PRODUCT_GROUPS = [("MLP gate + up", [17408, 17408], jnp.bfloat16, 1),
                   ("MLP gate + up, batch 4", [17408, 17408], jnp.bfloat16, 4)]
 
 
-def iq4_row(bs, x, stacked, layers: int, nbytes: int, out: int, **labels) -> dict | None:
-    """One timed IQ4_XS product x @ W[layer].T in the layer scan as a printed result row (None where its tiles fail
-    to compile, e.g. over the shared-memory limit)."""
+def packed_row(fmt: str, bs, x, stacked, layers: int, nbytes: int, out: int, **labels) -> dict | None:
+    """One timed packed product x @ W[layer].T in the layer scan as a printed result row (None where its tiles
+    fail to compile, e.g. over the shared-memory limit)."""
     try:
-        ms, wall = layer_ms("IQ4_XS", bs, x, stacked, layers, repeats=7)
+        ms, wall = layer_ms(fmt, bs, x, stacked, layers, repeats=7)
     except Exception as e:  # noqa: BLE001
-        print(f"IQ4_XS {bs}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(f"{fmt} {bs}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
         return None
     (m, k) = x.shape
-    row = {"out": out, "in": k, "m": m, "x": jnp.dtype(x.dtype).name, **labels, "ms": ms,
+    row = {"format": fmt, "out": out, "in": k, "m": m, "x": jnp.dtype(x.dtype).name, **labels, "ms": ms,
            "gb_s": nbytes / ms / 1e6, "scan_gb_s": nbytes / wall / 1e6, "block_sizes": str(bs)}
     print(json.dumps(row), flush=True)
     return row
@@ -297,7 +304,7 @@ def stream_sweep(deadline: float, key) -> list[dict]:
         for bs in tried:
             if time.time() > deadline or out % (bs.block_n * bs.tiles):
                 continue
-            row = iq4_row(bs, x, stacked, layers, nbytes, out)
+            row = packed_row("IQ4_XS", bs, x, stacked, layers, nbytes, out)
             if row is None:
                 continue
             rows.append(row)
@@ -367,8 +374,10 @@ def main():
     ap.add_argument("--rows-sweep", action="store_true",
                     help="only time the packed kernel's regimes (GEMV reduce, skinny dot) at 1..16 rows")
     ap.add_argument("--int8-sweep", action="store_true",
-                    help="only time IQ4_XS's int8 GEMV (tile sweep) against the float GEMV reduce at 1..4 rows")
+                    help="only time the int8 GEMV (IQ4_XS tile sweep; other --formats at the default tiles) "
+                         "against the float GEMV reduce at 1..4 rows")
     ap.add_argument("--int8-quick", action="store_true", help="--int8-sweep with the default and a few tiles only")
+    ap.add_argument("--default-tiles", action="store_true", help="--int8-sweep with the default tiles only")
     ap.add_argument("--stream-sweep", action="store_true",
                     help="only the int8 GEMV's streaming variants (prefetch, row tiles per program), then products "
                          "of one input in one launch against separate launches")
@@ -408,7 +417,11 @@ def main():
         if args.rows_sweep:
             rows, labels = rows_sweep(args.formats.split(","), start + args.seconds, key), ("format", "regime")
         else:
-            rows = int8_sweep(start + args.seconds, key, first_sweep=not args.int8_quick)
+            formats = args.formats.split(",") if args.formats != ",".join(FORMATS) else ["IQ4_XS"]
+            rows = int8_sweep(start + args.seconds, key, first_sweep=not args.int8_quick, formats=formats,
+                              defaults_only=args.default_tiles)
+            for r in rows:
+                r["kernel"] = f"{r['format']} {r['kernel']}"
             labels = ("kernel", "block_sizes")
         if args.json:
             Path(args.json).write_text(json.dumps({"copy_gb_s": ceiling, "read_gb_s": read, "rows": rows}, indent=1))

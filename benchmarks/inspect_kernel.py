@@ -24,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from gguf.constants import GGMLQuantizationType as T  # noqa: E402
+import numpy as np  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 from jax._src.pallas.triton import lowering  # noqa: E402
 
+from luxjax.checkpoint.quant_formats import FORMATS  # noqa: E402
 from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
 from pallas_kernels import quant_gemv_int8 as qi  # noqa: E402
 
@@ -68,18 +70,18 @@ def capture_triton_ir(fn, *avals) -> list[str]:
     return captured
 
 
-def int8_gemv_ir(out: int, k: int, rows: int, dtype, block_sizes: qi.BlockSizes) -> str:
-    """The int8 GEMV's Triton IR for x [rows, k] @ W[layer].T, W an IQ4_XS weight stacked two layers deep."""
-    blocks = k // 256
-    planes = {"d": ((blocks, 1), jnp.uint16), "scales_h": ((blocks, 1), jnp.uint16),
-              "scales_l": ((blocks, 4), jnp.uint8), "qs": ((blocks, 32), jnp.uint32)}
-    avals = {name: jax.ShapeDtypeStruct((2, out, *shape), dt) for name, (shape, dt) in planes.items()}
+def int8_gemv_ir(out: int, k: int, rows: int, dtype, block_sizes: qi.BlockSizes, ggml_type=T.IQ4_XS) -> str:
+    """The int8 GEMV's Triton IR for x [rows, k] @ W[layer].T, W a packed weight stacked two layers deep (its
+    planes as QuantizedTensor.from_gguf lays them out)."""
+    blocks = k // GGML_QUANT_SIZES[ggml_type][0]
+    avals = {f.name: jax.ShapeDtypeStruct((2, out, blocks, f.nbytes // np.dtype(f.dtype).itemsize), f.dtype)
+             for f in FORMATS[ggml_type].fields}
 
     def product(x, planes):
-        w = QuantizedTensor(planes, T.IQ4_XS, (out, k), jnp.bfloat16)
+        w = QuantizedTensor(planes, ggml_type, (out, k), jnp.bfloat16)
         return qi.int8_quant_matmul(x, w, jnp.int32(1), block_sizes=block_sizes)
 
-    (ir,) = capture_triton_ir(product, jax.ShapeDtypeStruct((rows, k), dtype), avals)
+    *_, ir = capture_triton_ir(product, jax.ShapeDtypeStruct((rows, k), dtype), avals)  # after x's quantization
     return ir
 
 
@@ -91,12 +93,13 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tiles", default="16,4,8", help="block_n, blocks_k, warps")
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--format", default="IQ4_XS", choices=[t.name for t in qi.FORMATS])
     ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
     ap.add_argument("--keep", help="also write the Triton IR here")
     args = ap.parse_args()
     block_n, blocks_k, warps = (int(v) for v in args.tiles.split(","))
     bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch=args.prefetch)
-    ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs)
+    ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
     with tempfile.TemporaryDirectory() as d:
         path = Path(args.keep) if args.keep else Path(d) / "kernel.ttir"
         path.write_text(ir)
@@ -105,7 +108,8 @@ def main():
     if found.returncode:
         sys.exit(f"Triton could not compile the IR (is triton installed for {args.triton}?):\n{found.stderr[-2000:]}")
     report = json.loads(found.stdout.strip().splitlines()[-1])
-    print(json.dumps({"block_sizes": str(bs), "rows": args.rows, "x": args.dtype, **report}, indent=1))
+    print(json.dumps({"format": args.format, "block_sizes": str(bs), "rows": args.rows, "x": args.dtype, **report},
+                     indent=1))
 
 
 if __name__ == "__main__":

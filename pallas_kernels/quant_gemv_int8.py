@@ -1,4 +1,5 @@
-"""Packed decode GEMV on int8 dot products: y = x @ W.T for 1..4 rows of x and IQ4_XS W, Pallas on Triton.
+"""Packed decode GEMV on int8 dot products: y = x @ W.T for 1..4 rows of x and IQ4_XS, Q4_K, Q5_K or Q6_K W,
+Pallas on Triton.
 
 Why: quant_matmul's GEMV reduce is bound by instruction issue (an H200 profile: 81% of issue slots busy, 28% of
 memory throughput), at one float multiply-add per weight and row besides the decoding. Here the decoder's output
@@ -17,12 +18,15 @@ sums are exact; each sub-block's level sums become floats (the 2^23 magic number
 
 The kernel reads W's packed planes in place (stacked over layers, one layer at a time, as the decoder does), each
 program owning BN output rows and streaming their blocks along K; x is quantized once per call by a small kernel
-(quantized_words) into the order the byte permutes emit values, four values of a level to an int32 word.
+into the order the format's decoder emits values, four values of a level to an int32 word: IQ4_XS's byte-permute
+order (quantized_words) or value order for the K-quants (natural_words, with the sums their offsets need). The
+formats' decoders are in int8_decode.py; one kernel body sums every format's groups. The K-quants took the 27B
+Q4_K_M model's batch-1 decode from 79.8 to 89.2 tokens/s and batch 4 from 131.6 to 165.6 (H200, session 22).
 int8_quant_matmul_many runs the projections of one input (gate and up; q, k and v; the DeltaNet's four) as one
 launch with x quantized once: in a 27B decode step on an H200 that took batch-1 decode from 86 to 102 tokens/s
-(benchmarks/RESULTS.md, session 18). Programs with long K
-loops load the next step's words before decoding the current one's (BlockSizes.prefetch). Used where dot4 and
-byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce stays (see uses_int8).
+(benchmarks/RESULTS.md, session 18). Programs with long K loops load the next step's words before decoding the
+current one's (BlockSizes.prefetch). Used where dot4 and byte_perm are single instructions (CUDA); elsewhere
+quant_matmul's float reduce stays (see uses_int8).
 """
 from __future__ import annotations
 
@@ -36,7 +40,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from gguf.constants import GGMLQuantizationType as T
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend
@@ -44,9 +47,8 @@ from pallas_kernels import dot4
 from pallas_kernels.dense_gemv import (
     per_weight_tile, split_count, split_out_shape, sum_splits, weight_outputs)
 from pallas_kernels.fma import fma
-from pallas_kernels.quant_decode import (
-    IQ4_SIGNED_TABLE_WORDS, KERNEL_FORMATS, MAGIC, SIGNED_MAGIC, _s2f, iq4_xs_scales, iq4_xs_signed_bytes,
-    kernel_magic)
+from pallas_kernels.int8_decode import INT8_FORMATS, Int8Format
+from pallas_kernels.quant_decode import IQ4_SIGNED_TABLE_WORDS, MAGIC, SIGNED_MAGIC, _s2f, kernel_magic
 from pallas_kernels.quant_matmul import WHOLE, RowView, _pad_to, blocks_per_step, uses_byte_perm
 
 MAX_ROWS = 4  # rows of x per program (each weight decoded once for all of them)
@@ -54,8 +56,8 @@ GROUP = 32  # values of x per int8 scale: one IQ4_XS sub-block
 LEVEL_STEP = 128.0  # each level of x is this much finer than the last
 TINY = 2.0**-100
 PREFETCH_MIN_STEPS = 8  # K steps per row tile from which BlockSizes.prefetch's default loads ahead
-FORMATS = (T.IQ4_XS,)
-PLANES = ("d", "scales_h", "scales_l", "qs")  # IQ4_XS's, in the kernel's argument order
+BLOCK = 256  # values per K block of every format here
+FORMATS = tuple(INT8_FORMATS)
 _CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_SIGNED_TABLE_WORDS)  # laid out as quant_decode.KERNEL_CONSTANTS
 
 
@@ -159,30 +161,117 @@ def quantized_words(x: jax.Array, levels: int, *, interpret: bool = False) -> tu
     return words, scales
 
 
-def _load_step(planes, sl) -> dict:
-    """The packed planes of this program's rows over the K step `sl`, loaded: {name: [BN, KB, ...]}."""
-    return {name: planes[name][:, sl] for name in PLANES}
+def _natural_quantize_kernel(const_ref, x_ref, q_ref, d_ref, s_ref, ls_ref, *, levels, interpret):
+    """One 256-value block of one row of x in value order: x_ref [8, 2, 4, 4] is the block as (group of 32, half,
+    word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4] its words, byte b of word (g, h, w) its value
+    32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once per half); s_ref [8, 2] the sum of each 16
+    values (float32, before quantization); ls_ref [levels, 8, 2] each level's integer sum over each 16 values.
+    Rounds as _quantize_kernel."""
+    rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
+    rest = [x_ref[:, :, :, b].astype(jnp.float32) for b in range(4)]  # each [8, 2, 4]
+    s_ref[...] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in rest])
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])  # [8, 2]
+    amax = jnp.max(amax, axis=-1, keepdims=True)  # [8, 1]
+    d = jnp.broadcast_to(jnp.maximum(amax, TINY) / 127.0, (8, 2))
+    d_ref[...] = d
+    for level in range(levels):
+        step = (d / LEVEL_STEP**level)[..., None]
+        word, total = jnp.zeros((8, 2, 4), jnp.int32), jnp.zeros((8, 2), jnp.float32)
+        for b in range(4):
+            q = jnp.clip((rest[b] / step + rounding) - rounding, -127.0, 127.0)
+            rest[b] = rest[b] - q * step
+            word = word | jnp.left_shift(q.astype(jnp.int32) & 0xFF, 8 * b)
+            total = total + jnp.sum(q, axis=-1)  # exact: at most 16 * 127
+        q_ref[level] = word
+        ls_ref[level] = total.astype(jnp.int32)
 
 
-def _kernel(*refs, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
+@functools.partial(jax.jit, static_argnames=("levels", "interpret"))
+def natural_words(x: jax.Array, levels: int, *, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [M, K] (K a multiple of 256) in `levels` int8 levels, words in value order, for the K-quants:
+    (words int32 [M, levels, K / 256, 8, 2, 4], word (g, h, w) holding values 32g + 16h + 4w .. + 3 low byte first;
+    scales [M, K / 256, 8, 2], max |x| / 127 of each 32 values, twice; sums [M, K / 256, 8, 2] of each 16 values of
+    x; level sums int32 [M, levels, K / 256, 8, 2] of each level over each 16 values), one kernel launch of a
+    program per 256 values. The levels are quantize_x's (the same rule and bound)."""
+    m, k = x.shape
+    blocks = k // BLOCK
+    view = (8, 2)
+    return pl.pallas_call(
+        functools.partial(_natural_quantize_kernel, levels=levels, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, *view, 4), jnp.int32),
+                   *(jax.ShapeDtypeStruct((m, blocks, *view), jnp.float32) for _ in range(2)),
+                   jax.ShapeDtypeStruct((m, levels, blocks, *view), jnp.int32)),
+        grid=(m, blocks),
+        in_specs=[WHOLE, pl.BlockSpec((None, None, *view, 4, 4), lambda r, j: (r, j, 0, 0, 0, 0))],
+        out_specs=(pl.BlockSpec((None, levels, None, *view, 4), lambda r, j: (r, 0, j, 0, 0, 0)),
+                   *(pl.BlockSpec((None, None, *view), lambda r, j: (r, j, 0, 0)) for _ in range(2)),
+                   pl.BlockSpec((None, levels, None, *view), lambda r, j: (r, 0, j, 0, 0))),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="quantize_x_natural",
+    )(jnp.asarray(_CONSTANTS, jnp.uint32), x.reshape(m, blocks, *view, 4, 4))
+
+
+def quantized_x(x: jax.Array, fmt: Int8Format, levels: int, *, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """x [M, K] as the kernel takes it for `fmt`: (words [M, levels, K / 256, *fmt.x_words], scales [M, K / 256,
+    *fmt.x_scales], and where the format takes them float sums [M, K / 256, *fmt.x_sums] or level sums [M, levels,
+    K / 256, *fmt.x_sums]), one quantization launch."""
+    m, k = x.shape
+    blocks = k // BLOCK
+    if fmt.x_order == "iq4":
+        xq, xd = quantized_words(x, levels, interpret=interpret)
+        parts = [(xq, (m, levels, blocks, *fmt.x_words)), (xd, (m, blocks, *fmt.x_scales))]
+    else:
+        xq, xd, xs, xl = natural_words(x, levels, interpret=interpret)
+        parts = [(xq, (m, levels, blocks, *fmt.x_words)), (xd, (m, blocks, *fmt.x_scales))]
+        if fmt.sums == "float":
+            parts.append((xs, (m, blocks, *fmt.x_sums)))
+        elif fmt.sums == "levels":
+            parts.append((xl, (m, levels, blocks, *fmt.x_sums)))
+    return tuple(a.reshape(shape) for a, shape in parts)
+
+
+def _load_step(planes, sl, fmt: Int8Format) -> dict:
+    """The packed planes of this program's rows over the K step `sl`, loaded: {name: [BN, KB, *view]}, or for the
+    format's split planes {indices on the split axes: the load at them} (Triton lowers no slicing of a loaded array,
+    and its arrays must have power-of-two sizes: Q4_K's 3 x 4 scale bytes)."""
+    loaded = {}
+    for name, plane in planes.items():
+        view, axes = fmt.planes[name], fmt.split_planes.get(name)
+        if axes is None:
+            loaded[name] = plane[:, sl]
+            continue
+        loaded[name] = {}
+        for at in itertools.product(*(range(view[a]) for a in axes)):
+            index = [slice(None)] * len(view)
+            for a, i in zip(axes, at):
+                index[a] = i
+            loaded[name][at] = plane[(slice(None), sl, *index)]
+    return loaded
+
+
+def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
     of tiles * BN rows), K steps split * steps ... of it; o [1, BM, tiles * BN] is that block's output."""
-    # [layer], constants, per weight its planes (d, scales_h, scales_l, qs) whole, x words [BM, L, blocks, 4, 2, 2,
-    # 4], x scales [BM, blocks, 4, 2], o [1, BM, tiles * BN]
+    # [layer], constants, per weight its planes (fmt.planes' order) whole, x words [BM, L, blocks, *fmt.x_words],
+    # x scales [BM, blocks, *fmt.x_scales], [x float or level sums (quantized_x)], o [1, BM, tiles * BN]
     refs = list(refs)
     layer = refs.pop(0)[0] if stacked else None
-    const_ref, *plane_refs, xq_ref, xd_ref, o_ref = refs
+    const_ref, o_ref = refs.pop(0), refs.pop()
+    xs_ref = refs.pop() if fmt.sums else None
+    xd_ref, xq_ref = refs.pop(), refs.pop()
     magic = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret)
     block, split = pl.program_id(1), pl.program_id(2)
-    stream = functools.partial(_stream_rows, xq_ref=xq_ref, xd_ref=xd_ref, o_ref=o_ref, magic=magic, layer=layer,
-                               split=split, block_n=block_n, tiles=tiles, kb=kb, steps=steps, levels=levels,
-                               prefetch=prefetch)
+    stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref, o_ref=o_ref,
+                               magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, kb=kb,
+                               steps=steps, levels=levels, prefetch=prefetch)
+    count = len(fmt.planes)
     per_weight_tile(block, tile_counts, lambda i, local: stream(
-        plane_refs[len(PLANES) * i: len(PLANES) * (i + 1)], local * tiles * block_n))
+        refs[count * i: count * (i + 1)], local * tiles * block_n))
 
 
-def _stream_rows(plane_refs, first_row, *, xq_ref, xd_ref, o_ref, magic, layer, split, block_n, tiles, kb, steps,
-                 levels, prefetch):
+def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, split,
+                 block_n, tiles, kb, steps, levels, prefetch):
     """o = x @ W[first_row : first_row + tiles * BN].T over this split's K steps, one weight's planes: the row
     tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps)."""
     rows = o_ref.shape[1]
@@ -190,35 +279,48 @@ def _stream_rows(plane_refs, first_row, *, xq_ref, xd_ref, o_ref, magic, layer, 
     def tile_planes(t):
         out_rows = pl.ds(pl.multiple_of(first_row + t * block_n, block_n), block_n)
         prefix = (out_rows,) if layer is None else (layer, out_rows)
-        return {name: RowView(ref, prefix) for name, ref in zip(PLANES, plane_refs)}
+        return {name: RowView(ref, prefix) for name, ref in zip(fmt.planes, plane_refs)}
 
     def k_slice(s):
         return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
 
     def load(i):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
-        return _load_step(tile_planes(lax.div(i, steps)), k_slice(lax.rem(i, steps)))
+        return _load_step(tile_planes(lax.div(i, steps)), k_slice(lax.rem(i, steps)), fmt)
+
+    def level_sums(group, r, sl):
+        """The group's integer dot products with row r's levels, as floats [BN, KB, *acc]: sum_l part_l / 128^l."""
+        total = None
+        for level in range(levels):
+            isum = None
+            for words, index in group.terms:
+                isum = dot4.dot4(words, xq_ref[(r, level, sl, *index)][None],
+                                 jnp.zeros(words.shape, jnp.int32) if isum is None else isum)
+            isum = jnp.sum(isum, axis=-1)
+            if group.code_bias:
+                isum = isum - group.code_bias * xs_ref[(r, level, sl, *group.x_levels)][None]
+            part = _s2f(isum)  # exact
+            total = part if total is None else fma(part, LEVEL_STEP**-level, total)
+        return total
 
     def accumulate(loaded, s, accs):
-        sl, whole = k_slice(s), slice(None)
-        scale = iq4_xs_scales(loaded, whole, magic)  # [BN, KB, 4, 2]
-        halves = iq4_xs_signed_bytes(loaded, whole, magic)  # 2 x [BN, KB, 4, 2, 4]
+        sl = k_slice(s)
+        groups = fmt.groups(loaded, magic)
         new = []
         for r, acc in enumerate(accs):
-            total = None
-            for level in range(levels):
-                isum = jnp.zeros(halves[0].shape, jnp.int32)
-                for h, half in enumerate(halves):
-                    isum = dot4.dot4(half, xq_ref[r, level, sl, :, :, h, :][None], isum)
-                part = _s2f(jnp.sum(isum, axis=-1))  # [BN, KB, 4, 2], exact
-                total = part if total is None else fma(part, LEVEL_STEP**-level, total)
-            new.append(fma(total, scale * xd_ref[r, sl][None], acc))
+            for group in groups:
+                acc = fma(level_sums(group, r, sl), group.scale * xd_ref[(r, sl, *group.x_scale)][None], acc)
+                if group.offset is not None:
+                    x_sum = functools.reduce(jnp.add, [xs_ref[(r, sl, *index)] for index in group.x_sums])
+                    acc = fma(group.offset, x_sum[None], acc)
+            new.append(acc)
         return tuple(new)
 
     def store(t, accs):
         for r, acc in enumerate(accs):
-            o_ref[0, pl.ds(r, 1), pl.ds(t * block_n, block_n)] = acc.sum(axis=(1, 2, 3))[None, :].astype(o_ref.dtype)
+            row = acc.sum(axis=tuple(range(1, acc.ndim)))
+            o_ref[0, pl.ds(r, 1), pl.ds(t * block_n, block_n)] = row[None, :].astype(o_ref.dtype)
 
-    zeros = (jnp.zeros((block_n, kb, 4, 2), jnp.float32),) * rows
+    zeros = (jnp.zeros((block_n, kb, *fmt.acc), jnp.float32),) * rows
     total = tiles * steps
 
     def step(i, carry):
@@ -262,9 +364,12 @@ def supported(x_shape, w: QuantizedTensor, stacked: bool) -> bool:
 
 def supported_many(x_shape, ws, stacked: bool) -> bool:
     """Whether int8_quant_matmul_many takes x [..., in] and the packed weights ws (stacked: each [L, out_i, in],
-    one L): one format it has, every in equal to x's, rows that whole row blocks cover when stacked."""
+    one L): one format it has, x's rows within the format's dispatch_rows, every in equal to x's, rows that whole
+    row blocks cover when stacked."""
     m, ns = math.prod(x_shape[:-1]), [w.shape[0] for w in ws]
     if not (ws and 0 < m <= MAX_ROWS and all(w.ggml_type in FORMATS and w.ndim == 2 for w in ws)):
+        return False
+    if m > INT8_FORMATS[ws[0].ggml_type].dispatch_rows:
         return False
     if len({w.ggml_type for w in ws}) != 1 or any(w.shape[1] != x_shape[-1] for w in ws):
         return False
@@ -302,34 +407,34 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
         raise ValueError(f"x {x.shape} needs 1..{MAX_ROWS} rows")
     if len({w.ggml_type for w in ws}) != 1:
         raise NotImplementedError(f"one format per launch, got {[w.ggml_type.name for w in ws]}")
-    fmt = KERNEL_FORMATS[ws[0].ggml_type]
+    fmt = INT8_FORMATS[ws[0].ggml_type]
     ns = tuple(w.shape[0] for w in ws)
     bs = block_sizes or BlockSizes.get_default(m, sum(ns))
-    blocks = k // fmt.block
+    blocks = k // BLOCK
     kb = blocks_per_step(blocks, bs.blocks_k)
     program_rows = _program_rows(bs)
     if layer is None:  # rows padded to whole tiles (a stacked weight cannot be: it would be copied)
-        planes = [[_pad_to(w.planes[name].reshape(n, blocks, *fmt.planes[name]), 0, program_rows) for name in PLANES]
-                  for w, n in zip(ws, ns)]
+        planes = [[_pad_to(w.planes[name].reshape(n, blocks, *view), 0, program_rows)
+                   for name, view in fmt.planes.items()] for w, n in zip(ws, ns)]
     elif any(n % program_rows for n in ns) or len({w.planes["d"].shape[0] for w in ws}) != 1:
         raise ValueError(f"stacked weights of one depth with rows a multiple of block_n * tiles = {program_rows}; "
                          f"got {[(w.planes['d'].shape[0], n) for w, n in zip(ws, ns)]}")
     else:
-        planes = [[w.planes[name].reshape(-1, n, blocks, *fmt.planes[name]) for name in PLANES]
+        planes = [[w.planes[name].reshape(-1, n, blocks, *view) for name, view in fmt.planes.items()]
                   for w, n in zip(ws, ns)]
-    padded = tuple(p[0].shape[-3] for p in planes)  # d: [(L,) rows, blocks, 1]
+    padded = tuple(p[0].shape[0 if layer is None else 1] for p in planes)  # each plane [(L,) rows, blocks, ...]
     tile_counts = tuple(n // program_rows for n in padded)
     levels = levels or levels_for(x.dtype)
-    xq, xd = quantized_words(x, levels, interpret=interpret)
+    x_parts = quantized_x(x, fmt, levels, interpret=interpret)
     splits = bs.splits or split_count(sum(tile_counts), blocks // kb)
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
     out_dtype = out_dtype or x.dtype
     steps = blocks // (kb * splits)
-    kernel = functools.partial(_kernel, tile_counts=tile_counts, stacked=layer is not None,
+    kernel = functools.partial(_kernel, fmt=fmt, tile_counts=tile_counts, stacked=layer is not None,
                                block_n=bs.block_n, tiles=bs.tiles, kb=kb, steps=steps, levels=levels,
                                prefetch=bs.prefetches(steps), interpret=interpret)
-    x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in (xq, xd)]
+    x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in x_parts]
     flat_planes = [p for weight_planes in planes for p in weight_planes]
     y = pl.pallas_call(
         kernel,
@@ -340,5 +445,5 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"int8_gemv_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
-      jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, xq, xd)
+      jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, *x_parts)
     return weight_outputs(sum_splits(y, out_dtype), padded, ns)

@@ -43,7 +43,7 @@ def use_pallas() -> bool:
 
 @functools.cache
 def int8_activations() -> bool:
-    """Whether IQ4_XS decode GEMVs may quantize x to int8 levels (pallas_kernels/quant_gemv_int8.py, where the
+    """Whether packed decode GEMVs may quantize x to int8 levels (pallas_kernels/quant_gemv_int8.py, where the
     platform has the instructions): LUXJAX_INT8_GEMV=on|off, default on. On, x is kept to 1/32,512 of each 32
     values' largest (16-bit x) or 1/4,161,536 (float32 x); off, x's values are multiplied exactly, and the 27B IQ4_XS
     decode measured 78.8 instead of 82.2 tokens/s at batch 1, 132.0 instead of 177.4 at batch 4 (H200)."""

@@ -2,8 +2,9 @@
 
 `_impl` is the single dispatch point: packed weights in a format with a fused kernel, with at most
 _PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when luxjax.ops.backend chooses Pallas
-(GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS at 1..4 rows where the GPU has integer dot products
-(CUDA), to the int8 GEMV (pallas_kernels/quant_gemv_int8.py: x in int8 levels; LUXJAX_INT8_GEMV=off declines it);
+(GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS and Q4_K at 1..4 rows and Q5_K and Q6_K at 1..2 where
+the GPU has integer dot products (CUDA), to the int8 GEMV (pallas_kernels/quant_gemv_int8.py: x in int8 levels;
+LUXJAX_INT8_GEMV=off declines it);
 larger products of packed weights decode them with the Pallas dequantize kernel and run one vendor GEMM (the
 fused GEMM measured 116 TFLOP/s on an H200 (Q8_0, M=1024) where cuBLAS on bf16 runs near 700); everything else
 takes the XLA path, which dequantizes inside the jitted graph and is the kernels' oracle.
@@ -278,7 +279,7 @@ def split_linear_many(x: jax.Array, ws, low_rows=None) -> tuple[jax.Array, ...]:
     low_rows = tuple(_out_features(w) if r is None else r
                      for w, r in zip(ws, low_rows or (None,) * len(ws), strict=True))
     rows = math.prod(x.shape[:-1])
-    direct = [i for i, w in enumerate(ws) if backend.use_pallas() and _reduces(rows, w)]
+    direct = [i for i, w in enumerate(ws) if backend.use_pallas() and _takes_x_whole(rows, w)]
     out = [None] * len(ws)
     for i, y in zip(direct, linear_many(x, [ws[i] for i in direct], jnp.float32)):
         out[i] = y
@@ -313,10 +314,21 @@ def leading_rows(w: Weight | LayerSlice, count: int) -> Weight:
     return cut(base)
 
 
-def _reduces(rows: int, w) -> bool:
-    """Whether `rows` rows of x times packed w take the fused kernel's GEMV reduce by default."""
-    ggml_type = _packed_type(w)
-    return ggml_type is not None and rows <= KERNEL_FORMATS[ggml_type].reduce_rows
+def _takes_x_whole(rows: int, w) -> bool:
+    """Whether `rows` rows of float32 x times packed w go to a decode kernel that takes x as it is: the int8 GEMV
+    (x in three int8 levels, within 2^-22 of each 32 values' largest) or the fused kernel's GEMV reduce (exact
+    float32 products). Split into two bf16 parts, x would double the rows: past the int8 GEMV's for Q4_K at 3-4
+    rows, Q6_K at 2 (the 27B Q4_K_M model's DeltaNet projections), into the float kernel's tensor-core regime."""
+    from pallas_kernels import quant_gemv_int8
+
+    packed = _packed_layer(w)
+    if packed is None:
+        return False
+    tensor, layer = packed
+    if quant_gemv_int8.uses_int8(backend.interpret()) and quant_gemv_int8.supported(
+            (rows, tensor.shape[-1]), tensor, stacked=layer is not None):
+        return True
+    return tensor.ggml_type in KERNEL_FORMATS and rows <= KERNEL_FORMATS[tensor.ggml_type].reduce_rows
 
 
 def _split_products(x: jax.Array, ws, low_rows) -> tuple[jax.Array, ...]:

@@ -1,13 +1,14 @@
 """Decode of a packed GGUF checkpoint through the Pallas decode kernels (interpreted, on any backend) against the
-same file through the XLA path, which dequantizes with exact products: the IQ4_XS fixture, whose
-projections take the int8 GEMV (x in int8 levels, pallas_kernels/quant_gemv_int8.py), so the model-level effect of
-quantizing x is measured on real llama.cpp-written weights, not only on random kernel inputs."""
+same file through the XLA path, which dequantizes with exact products: the IQ4_XS, Q4_K_M and Q6_K fixtures,
+whose projections take the int8 GEMV (x in int8 levels, pallas_kernels/quant_gemv_int8.py), so the model-level
+effect of quantizing x is measured on real llama.cpp-written weights, not only on random kernel inputs."""
 from __future__ import annotations
 
 import os
 import secrets
 from pathlib import Path
 
+import gguf
 import jax
 import numpy as np
 import pytest
@@ -54,24 +55,32 @@ def decode_logits(model: luxjax.Model, ids: list[int], follow: list[int], *, pal
     return np.stack(out)
 
 
-def test_iq4_xs_decode_through_the_int8_gemv_matches_xla(monkeypatch, seed):
+@pytest.mark.parametrize("quant", ["IQ4_XS", "Q4_K_M", "Q6_K"])
+def test_packed_decode_through_the_int8_gemv_matches_xla(quant, monkeypatch, seed):
     rng = np.random.default_rng(seed)
-    path = FIXTURES / "tiny-qwen35-a-IQ4_XS.gguf"
+    path = FIXTURES / f"tiny-qwen35-a-{quant}.gguf"
     model = luxjax.load(path, dtype="float32", progress=False)
     vocab = model.backend.vocab_size
     ids = rng.integers(0, min(vocab, 5000), int(rng.integers(5, 20))).tolist()
     follow = rng.integers(0, min(vocab, 5000), STEPS).tolist()
     calls = []
-    real = quant_gemv_int8.int8_quant_matmul
-    monkeypatch.setattr(quant_gemv_int8, "int8_quant_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("int8_quant_matmul", "int8_quant_matmul_many"):
+        real = getattr(quant_gemv_int8, name)
+        monkeypatch.setattr(quant_gemv_int8, name, lambda *a, real=real, **k: calls.append(a[1]) or real(*a, **k))
     want = decode_logits(model, ids, follow, pallas_decode=False, monkeypatch=monkeypatch)
     assert not calls, "the XLA path must not take the int8 GEMV"
     got = decode_logits(model, ids, follow, pallas_decode=True, monkeypatch=monkeypatch)
-    assert calls, "the decode steps did not take the int8 GEMV"
+    taken = {w.ggml_type.name for ws in calls for w in (ws if isinstance(ws, tuple) else (ws,))}
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    head = "output.weight" if "output.weight" in types else "token_embd.weight"  # else tied to the embeddings
+    packed = {kind for name, kind in types.items() if (name.startswith("blk.") or name == head)
+              and kind in {f.name for f in quant_gemv_int8.FORMATS}}
+    assert packed and taken == packed, \
+        f"the decode steps took the int8 GEMV for {taken}, not for every packed format of {packed}"
     np.testing.assert_array_equal(got[0], want[0], err_msg="the prefills are the same path")
     diff, scale = np.abs(got[1:] - want[1:]).max(), np.abs(want[1:]).max()
-    print(f"seed {seed}: int8-GEMV decode vs XLA, max |logit diff| {diff:.2e} of logits up to {scale:.1f}")
-    assert diff <= DECODE_RTOL * scale, f"seed {seed}: decode logits differ by {diff:.2e}"
+    print(f"{quant} seed {seed}: int8-GEMV decode vs XLA, max |logit diff| {diff:.2e} of logits up to {scale:.1f}")
+    assert diff <= DECODE_RTOL * scale, f"{quant} seed {seed}: decode logits differ by {diff:.2e}"
     top2 = np.sort(want[1:], axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 2 * DECODE_RTOL * scale  # the greedy token is decided, not a near-tie
-    assert (got[1:].argmax(-1) == want[1:].argmax(-1))[clear].all(), f"seed {seed}: greedy tokens differ"
+    assert (got[1:].argmax(-1) == want[1:].argmax(-1))[clear].all(), f"{quant} seed {seed}: greedy tokens differ"

@@ -1,6 +1,7 @@
 """The int8 decode GEMV (pallas_kernels/quant_gemv_int8.py) and its integer dot product, against independent
 oracles: numpy's int8 views of the words for dot4, gguf's numpy dequantizer and a float64 product for the GEMV, held
-to the error bound that quantizing x in int8 levels allows (derived here from x, not from the kernel's code).
+to the error bound that quantizing x in int8 levels allows (derived here from x, not from the kernel's code). Every
+format the GEMV takes (IQ4_XS, Q4_K, Q5_K, Q6_K) runs through each product test.
 
 On CPU the kernels run interpreted; on a GPU compiled (dot4 as DP4A, the codebook by byte permutes).
 """
@@ -13,11 +14,15 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 from jax.experimental import pallas as pl
 
+from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import quant_gemv_int8 as qi
 from pallas_kernels.dot4 import dot4
 from test_quant_matmul import random_weight
+
+FORMATS = [T.IQ4_XS, T.Q4_K, T.Q5_K, T.Q6_K]
+by_name = pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
 
 
 def _bytes(words: np.ndarray) -> np.ndarray:
@@ -122,6 +127,41 @@ def test_quantize_kernel_words(levels, dtype, m, k, seed, interpret):
     np.testing.assert_array_equal(ties, 2 * np.round(x64[-1, -31:] / 2), err_msg=f"seed {seed}: ties")
 
 
+@pytest.mark.parametrize("levels", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("m, k", [(1, 1280), (3, 512)])
+def test_natural_quantize_kernel_words(levels, dtype, m, k, seed, interpret):
+    """The value-order quantization kernel (the K-quants' x): its words read back as bytes in memory
+    order rebuild x within the bound; its scales are max|x| / 127 of each 32 (given per 16 values); its sums are
+    each 16 values' float sum of x as given, before quantization, and its level sums those of the bytes read back;
+    ties rounded to even."""
+    rng = np.random.default_rng(seed)
+    x = np.array(random_x(rng, m, k, jnp.float32))
+    x[-1, -32:] = rng.integers(-126, 127, 32) + 0.5
+    x[-1, -32] = 127.0
+    x = jnp.asarray(x, dtype)
+    words, scales, sums, level_sums = qi.natural_words(x, levels, interpret=interpret)
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    q = _bytes(np.asarray(words)).reshape(m, levels, k)  # word i's byte b is value 4i + b
+    assert np.abs(q).max() <= 127
+    groups = np.abs(np.asarray(jnp.asarray(x, jnp.float32))).reshape(m, -1, qi.GROUP)
+    want_d = np.maximum(groups.max(-1), np.float32(qi.TINY)) / np.float32(127)
+    d = np.asarray(scales).reshape(m, -1, 2)
+    np.testing.assert_array_equal(d[..., 0], d[..., 1], err_msg="one scale per 32 values, given twice")
+    np.testing.assert_allclose(d[..., 0], want_d, rtol=1.2e-7, atol=0, err_msg=f"seed {seed}")
+    steps = d[..., 0].astype(np.float64)[:, None, :, None] / qi.LEVEL_STEP ** np.arange(levels)[None, :, None, None]
+    rebuilt = (q.reshape(m, levels, -1, qi.GROUP) * steps).sum(1).reshape(m, k)
+    excess = np.abs(rebuilt - x64) - x_error_bound(x64, levels)
+    assert excess.max() <= 0, f"seed {seed}: the kernel's levels miss x by more than their bound"
+    want_sums = x64.reshape(m, -1, 16).sum(-1)
+    np.testing.assert_allclose(np.asarray(sums, np.float64).reshape(m, -1), want_sums, rtol=0,
+                               atol=1e-6 * np.abs(x64).reshape(m, -1, 16).sum(-1).max(), err_msg=f"seed {seed}: sums")
+    np.testing.assert_array_equal(np.asarray(level_sums).reshape(m, levels, -1), q.reshape(m, levels, -1, 16).sum(-1),
+                                  err_msg=f"seed {seed}: level sums")
+    ties = q[-1, 0, -31:]
+    np.testing.assert_array_equal(ties, 2 * np.round(x64[-1, -31:] / 2), err_msg=f"seed {seed}: ties")
+
+
 def check_against_bound(got, x, dense, levels: int, msg: str):
     """|got - x @ W.T| <= sum |w| * (x's quantization bound) + float32 accumulation (1e-6 of sum |x||w|)."""
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
@@ -138,30 +178,33 @@ CASES = [(1, 37, 512, jnp.bfloat16), (2, 48, 768, jnp.float32), (3, 64, 1024, jn
          (4, 16, 2048, jnp.bfloat16), (1, 32, 256, jnp.float16)]
 
 
+@by_name
 @pytest.mark.parametrize("m,out,k,dtype", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_int8_gemv_matches_dequantized_matmul(m, out, k, dtype, seed, interpret):
+def test_int8_gemv_matches_dequantized_matmul(ggml_type, m, out, k, dtype, seed, interpret):
     rng = np.random.default_rng(seed)
-    w, dense = random_weight(rng, T.IQ4_XS, out, k)
+    w, dense = random_weight(rng, ggml_type, out, k)
     x = random_x(rng, m, k, dtype)
     got = qi.int8_quant_matmul(x, w, out_dtype=jnp.float32, interpret=interpret)
-    check_against_bound(got, x, dense, qi.levels_for(dtype), f"x[{m},{k}] {jnp.dtype(dtype).name} W[{out}] "
-                                                             f"seed {seed}")
+    check_against_bound(got, x, dense, qi.levels_for(dtype), f"{ggml_type.name} x[{m},{k}] "
+                                                             f"{jnp.dtype(dtype).name} W[{out}] seed {seed}")
     y = qi.int8_quant_matmul(x, w, interpret=interpret)
     assert y.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(y), np.asarray(got.astype(dtype)), err_msg="out_dtype rounds once")
 
 
+@by_name
 @pytest.mark.parametrize("m,splits", [(1, None), (2, 4), (4, 1)])
-def test_int8_gemv_reads_the_chosen_layer(m, splits, seed, interpret):
+def test_int8_gemv_reads_the_chosen_layer(ggml_type, m, splits, seed, interpret):
     rng = np.random.default_rng(seed)
     layers, out, k = int(rng.integers(2, 4)), 32, 1024
-    pairs = [random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)]
+    pairs = [random_weight(rng, ggml_type, out, k) for _ in range(layers)]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in pairs])
     layer = int(rng.integers(0, layers))
     x = random_x(rng, m, k, jnp.float32)
     bs = qi.BlockSizes(16, 1, 4, splits=splits)  # one block per step: each split runs several steps
     got = qi.int8_quant_matmul(x, stacked, jnp.int32(layer), block_sizes=bs, interpret=interpret)
-    check_against_bound(got, x, pairs[layer][1], 3, f"layer {layer}/{layers} m={m} splits={splits} seed {seed}")
+    check_against_bound(got, x, pairs[layer][1], 3,
+                        f"{ggml_type.name} layer {layer}/{layers} m={m} splits={splits} seed {seed}")
 
 
 # (rows of x, x dtype, rows of each weight, block sizes): weights of unequal rows side by side; the streaming options
@@ -174,15 +217,16 @@ MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), 
               (1, jnp.bfloat16, (16, 48), qi.BlockSizes(16, 2, 4, prefetch=True, splits=2))]
 
 
+@by_name
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
 @pytest.mark.parametrize("m,dtype,outs,bs", MANY_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_int8_gemv_many_weights_in_one_launch(m, dtype, outs, bs, stacked, seed, interpret):
+def test_int8_gemv_many_weights_in_one_launch(ggml_type, m, dtype, outs, bs, stacked, seed, interpret):
     """int8_quant_matmul_many: each output is x times its own weight (of the chosen layer when stacked), within x's
     quantization bound of gguf's dequantization; unstacked weights are padded to whole row tiles, not refused."""
     rng = np.random.default_rng(seed)
     k, layers = 1024, int(rng.integers(2, 4))
     layer = int(rng.integers(0, layers))
-    pairs = [[random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for out in outs]
+    pairs = [[random_weight(rng, ggml_type, out, k) for _ in range(layers)] for out in outs]
     x = random_x(rng, m, k, dtype)
     if stacked:
         ws = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in per_layer]) for per_layer in pairs)
@@ -191,42 +235,47 @@ def test_int8_gemv_many_weights_in_one_launch(m, dtype, outs, bs, stacked, seed,
     else:
         if bs is not None and bs.tiles > 1:
             outs = tuple(out + 8 for out in outs)  # odd rows, padded to whole tiles of tiles * block_n
-            pairs = [[random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for out in outs]
+            pairs = [[random_weight(rng, ggml_type, out, k) for _ in range(layers)] for out in outs]
         got = qi.int8_quant_matmul_many(x, tuple(per_layer[layer][0] for per_layer in pairs), block_sizes=bs,
                                         out_dtype=jnp.float32, interpret=interpret)
     assert len(got) == len(outs)
     for i, (y, per_layer) in enumerate(zip(got, pairs)):
         check_against_bound(y, x, per_layer[layer][1], qi.levels_for(dtype),
-                            f"weight {i} of {outs} ({'stacked' if stacked else 'unstacked'}, layer {layer}), "
+                            f"{ggml_type.name} weight {i} of {outs} ({'stacked' if stacked else 'unstacked'}, "
+                            f"layer {layer}), "
                             f"x[{m}] {jnp.dtype(dtype).name}, {bs}, seed {seed}")
 
 
-def test_linear_many_takes_one_int8_launch(monkeypatch, seed):
-    """linear_many on IQ4_XS layer slices of one layer: one int8 GEMV launch for all of them (and only them: a Q8_0
-    weight among them takes its own kernel), outputs in order within the bound; slices of different layer indices,
-    or more rows than the int8 GEMV takes, are not put in one launch."""
+def test_linear_many_takes_one_int8_launch_per_format(monkeypatch, seed):
+    """linear_many on packed layer slices of one layer: one int8 GEMV launch per format (two IQ4_XS weights in one,
+    the Q6_K weight between them in its own), outputs in order within the bound; more rows than the int8 GEMV
+    takes for a format go to the float kernels (Q6_K from 3, IQ4_XS from 5); slices of different layer indices are
+    not put in one launch."""
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(backend, "use_pallas", lambda: True)
     monkeypatch.setattr(backend, "interpret", lambda: True)
     k, layers = 512, 3
     layer = jnp.int32(int(rng.integers(0, layers)))
-    pairs = {out: [random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for out in (48, 32)}
-    q8 = [random_weight(rng, T.Q8_0, 32, k) for _ in range(layers)]
+    pairs = {(t, out): [random_weight(rng, t, out, k) for _ in range(layers)]
+             for t, out in ((T.IQ4_XS, 48), (T.Q6_K, 32), (T.IQ4_XS, 32))}
     stack = lambda ps: jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in ps])  # noqa: E731
-    ws = [LayerSlice(stack(pairs[48]), layer), LayerSlice(stack(q8), layer), LayerSlice(stack(pairs[32]), layer)]
-    denses = [pairs[48][int(layer)][1], q8[int(layer)][1], pairs[32][int(layer)][1]]
+    ws = [LayerSlice(stack(ps), layer) for ps in pairs.values()]
+    denses = [ps[int(layer)][1] for ps in pairs.values()]
     for rows in (1, 3, 5):
         x = random_x(rng, rows, k, jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear_many(x, ws))(x))
-        launches = jaxpr.count("name=int8_gemv_iq4_xs")
-        assert launches == (1 if rows <= qi.MAX_ROWS else 0), f"{rows} rows: {launches} int8 launches"
-        assert ("name=quant_matmul_q8_0" in jaxpr) == (rows <= 16), f"{rows} rows: the Q8_0 weight's own kernel"
+        int8 = {T.IQ4_XS: rows <= 4, T.Q6_K: rows <= 2}  # Q6_K's float reduce measured faster at 3-4 rows
+        for name, want in (("int8_gemv_iq4_xs", int8[T.IQ4_XS]), ("int8_gemv_q6_k", int8[T.Q6_K]),
+                           ("quant_matmul_q6_k", not int8[T.Q6_K]), ("quant_matmul_iq4_xs", not int8[T.IQ4_XS])):
+            assert jaxpr.count(f"name={name}") == want, f"{rows} rows: {jaxpr.count(f'name={name}')} of {name}"
         got = linear_mod.linear_many(x, ws)
-        for i in (0, 2):
-            check_against_bound(got[i], x, denses[i], 3, f"linear_many weight {i}, {rows} rows, seed {seed}")
-        x64 = np.asarray(x, np.float64)
-        q8_error = np.abs(np.asarray(got[1], np.float64) - x64 @ denses[1].T) / (np.abs(x64) @ np.abs(denses[1]).T)
-        assert q8_error.max() < 1e-5, f"the Q8_0 weight's own product, {rows} rows: {q8_error.max():.3g}"
+        for i, (ggml_type, dense) in enumerate(zip([t for t, _ in pairs], denses)):
+            if int8[ggml_type]:
+                check_against_bound(got[i], x, dense, 3, f"linear_many weight {i}, {rows} rows, seed {seed}")
+            else:  # the float kernels multiply x exactly
+                x64 = np.asarray(x, np.float64)
+                error = np.abs(np.asarray(got[i], np.float64) - x64 @ dense.T) / (np.abs(x64) @ np.abs(dense).T)
+                assert error.max() < 1e-5, f"weight {i}, {rows} rows: {error.max():.3g}"
     other = [ws[0], LayerSlice(ws[2].stacked, jnp.int32(int(layer)))]  # an equal index, but not the same array
     jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear_many(x, other))(random_x(rng, 1, k, jnp.float32)))
     assert jaxpr.count("name=int8_gemv_iq4_xs") == 2, "slices of separately given layer indices: a launch each"
@@ -254,11 +303,19 @@ def test_int8_gemv_refuses_what_it_cannot_take():
     assert qi.supported((4, 256), w, stacked=False) and not qi.supported((5, 256), w, stacked=False)
     with pytest.raises(ValueError, match="x"):
         qi.int8_quant_matmul(jnp.zeros((5, 256)), w, interpret=True)
+    for other in (T.Q8_0, T.Q4_0):  # Q8_0: its float reduce measured as fast
+        raw = np.zeros((16, 256 // 32 * (34 if other == T.Q8_0 else 18)), np.uint8)
+        refused = QuantizedTensor.from_gguf(raw, other, (16, 256))
+        assert not qi.supported((1, 256), refused, stacked=False), other.name
+        with pytest.raises(NotImplementedError):
+            qi.int8_quant_matmul(jnp.zeros((1, 256)), refused, interpret=True)
     q4, _ = random_weight(np.random.default_rng(0), T.Q4_K, 16, 256)
-    assert not qi.supported((1, 256), q4, stacked=False)
-    with pytest.raises(NotImplementedError):
-        qi.int8_quant_matmul(jnp.zeros((1, 256)), q4, interpret=True)
     assert not qi.supported_many((1, 256), (w, q4), stacked=False), "one format per launch"
+    with pytest.raises(NotImplementedError, match="one format"):
+        qi.int8_quant_matmul_many(jnp.zeros((1, 256)), (w, q4), interpret=True)
+    q6, _ = random_weight(np.random.default_rng(0), T.Q6_K, 16, 256)
+    assert qi.supported((2, 256), q6, stacked=False) and not qi.supported((3, 256), q6, stacked=False), \
+        "Q6_K goes to the int8 GEMV for up to 2 rows (where it measured faster than the float reduce)"
     wide, _ = random_weight(np.random.default_rng(0), T.IQ4_XS, 16, 512)
     assert not qi.supported_many((1, 256), (w, wide), stacked=False), "every weight's in is x's"
     with pytest.raises(ValueError, match="every W"):

@@ -15,7 +15,6 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
-from pallas_kernels.quant_decode import KERNEL_FORMATS
 from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_many, quant_matmul_reference
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
@@ -133,10 +132,13 @@ def test_many_weights_in_one_launch(ggml_type, m, dtype, seed):
 
 def test_linear_many_puts_each_format_in_one_launch(monkeypatch, seed):
     """linear_many on packed layer slices of one layer: one fused-kernel launch per format (two Q4_K weights
-    together, the Q6_K one alone), outputs in the order given; a prefill-sized x takes no fused launch."""
+    together, the Q6_K one alone), outputs in the order given; a prefill-sized x takes no fused launch. (The int8
+    GEMV, which takes these formats' decode rows by default, is switched off: its own grouping is tested in
+    test_quant_gemv_int8.py.)"""
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(backend, "use_pallas", lambda: True)
     monkeypatch.setattr(backend, "interpret", lambda: True)
+    monkeypatch.setattr(backend, "int8_activations", lambda: False)
     k, layers = 512, 2
     layer = jnp.int32(int(rng.integers(0, layers)))
     specs = [(T.Q4_K, 48), (T.Q6_K, 32), (T.Q4_K, 16)]
@@ -258,15 +260,16 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     assert len(calls) == 2, "prefill-sized x should not take the fused kernel"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 4, 9, 40])
 @pytest.mark.parametrize("weight", ["bf16", "Q4_K"])
 @pytest.mark.parametrize("pallas", [False, True])
 def test_split_linear_keeps_float32_inputs(monkeypatch, seed, rows, weight, pallas):
     """split_linear (float32 x, low-precision W) lands within float32 rounding of the exact product of x and W as
     bf16 matmuls see it (stored or dequantized values rounded to bf16), far closer than the product of bf16-rounded
     x; on the kernel path (interpreted on CPU) too, for row counts whose stacked halves fit the kernel (9 -> one call
-    each) or not (40 -> XLA). Packed W with few rows on the kernel path takes x whole into the GEMV reduce, which
-    never rounds W: there the exact dequantized W is the reference."""
+    each) or not (40 -> XLA). Packed W with few rows on the kernel path takes x whole (Q4_K at 1..4 rows: the int8
+    GEMV, interpreted here, with x in three int8 levels), which never rounds W: there the exact dequantized W is the
+    reference."""
     rng = np.random.default_rng(seed)
     out, k = 48, 512
     if weight == "bf16":
@@ -277,7 +280,7 @@ def test_split_linear_keeps_float32_inputs(monkeypatch, seed, rows, weight, pall
     x = rng.normal(0, 1, (rows, k)).astype(np.float32)
     monkeypatch.setattr(backend, "use_pallas", lambda: pallas)
     monkeypatch.setattr(backend, "interpret", lambda: True)
-    if not (pallas and weight != "bf16" and rows <= KERNEL_FORMATS[T.Q4_K].reduce_rows):
+    if not (pallas and weight != "bf16" and rows <= 4):
         dense = np.asarray(jnp.asarray(dense, jnp.bfloat16).astype(jnp.float32), np.float64)
     exact = x.astype(np.float64) @ dense.T
     got = np.asarray(linear_mod.split_linear(jnp.asarray(x), w), np.float64)

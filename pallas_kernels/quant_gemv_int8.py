@@ -220,14 +220,13 @@ def quantized_x(x: jax.Array, fmt: Int8Format, levels: int, *, interpret: bool =
     blocks = k // BLOCK
     if fmt.x_order == "iq4":
         xq, xd = quantized_words(x, levels, interpret=interpret)
-        parts = [(xq, (m, levels, blocks, *fmt.x_words)), (xd, (m, blocks, *fmt.x_scales))]
     else:
         xq, xd, xs, xl = natural_words(x, levels, interpret=interpret)
-        parts = [(xq, (m, levels, blocks, *fmt.x_words)), (xd, (m, blocks, *fmt.x_scales))]
-        if fmt.sums == "float":
-            parts.append((xs, (m, blocks, *fmt.x_sums)))
-        elif fmt.sums == "levels":
-            parts.append((xl, (m, levels, blocks, *fmt.x_sums)))
+    parts = [(xq, (m, levels, blocks, *fmt.x_words)), (xd, (m, blocks, *fmt.x_scales))]
+    if fmt.sums == "float":
+        parts.append((xs, (m, blocks, *fmt.x_sums)))
+    elif fmt.sums == "levels":
+        parts.append((xl, (m, levels, blocks, *fmt.x_sums)))
     return tuple(a.reshape(shape) for a, shape in parts)
 
 

@@ -92,13 +92,21 @@ def _pallas_linear(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Arra
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def _int8_takes(x_shape, tensors, layer) -> bool:
+    """Whether the int8 decode GEMV runs natively here and takes x of x_shape times the packed tensors (W[layer]
+    for stacked ones) in one launch."""
+    from pallas_kernels import quant_gemv_int8
+
+    return quant_gemv_int8.uses_int8(backend.interpret()) and quant_gemv_int8.supported_many(
+        x_shape, tuple(tensors), stacked=layer is not None)
+
+
 def _int8_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
     """x @ W.T (W[layer].T for a stacked w) by the int8 decode GEMV where the platform runs it natively and it
     takes the format and rows, else None."""
     from pallas_kernels import quant_gemv_int8
 
-    if not (quant_gemv_int8.uses_int8(backend.interpret())
-            and quant_gemv_int8.supported(x.shape, w, stacked=layer is not None)):
+    if not _int8_takes(x.shape, (w,), layer):
         return None
     y = quant_gemv_int8.int8_quant_matmul(x.reshape(-1, x.shape[-1]), w, layer, out_dtype=out_dtype,
                                           interpret=backend.interpret())
@@ -124,7 +132,7 @@ def _packed_linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ..
         return None
     tensors, layer = tuple(t for t, _ in packed), packed[0][1]
     rows, stacked, interpret = x.reshape(-1, x.shape[-1]), layer is not None, backend.interpret()
-    if quant_gemv_int8.uses_int8(interpret) and quant_gemv_int8.supported_many(x.shape, tensors, stacked):
+    if _int8_takes(x.shape, tensors, layer):
         ys = quant_gemv_int8.int8_quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
     elif quant_matmul.supported_many(x.shape, tensors, stacked):
         ys = quant_matmul.quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
@@ -319,14 +327,11 @@ def _takes_x_whole(rows: int, w) -> bool:
     (x in three int8 levels, within 2^-22 of each 32 values' largest) or the fused kernel's GEMV reduce (exact
     float32 products). Split into two bf16 parts, x would double the rows: past the int8 GEMV's for Q4_K at 3-4
     rows, Q6_K at 2 (the 27B Q4_K_M model's DeltaNet projections), into the float kernel's tensor-core regime."""
-    from pallas_kernels import quant_gemv_int8
-
     packed = _packed_layer(w)
     if packed is None:
         return False
     tensor, layer = packed
-    if quant_gemv_int8.uses_int8(backend.interpret()) and quant_gemv_int8.supported(
-            (rows, tensor.shape[-1]), tensor, stacked=layer is not None):
+    if _int8_takes((rows, tensor.shape[-1]), (tensor,), layer):
         return True
     return tensor.ggml_type in KERNEL_FORMATS and rows <= KERNEL_FORMATS[tensor.ggml_type].reduce_rows
 

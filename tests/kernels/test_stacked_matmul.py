@@ -14,7 +14,6 @@ from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import dense_gemm
 from pallas_kernels.dense_gemv import BlockSizes, split_count, stacked_gemv, stacked_gemv_reference
-from pallas_kernels.quant_decode import KERNEL_FORMATS
 from pallas_kernels.quant_matmul import stacked_quant_matmul
 from test_quant_matmul import check, random_weight
 
@@ -230,7 +229,8 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
     """split_linear_many's low_rows: in a prefill-sized product the leading rows asked for get float32-level
     products of x, the others (and a weight given 0) the product of x rounded to bf16; decode-sized products give
     every row the float32-level product. Oracle: float64 products of gguf's dequantized W (as bf16 matmuls see it,
-    rounded to bf16, except where the GEMV reduce takes x whole) with x or with x rounded to bf16."""
+    rounded to bf16, except where a decode kernel takes x whole: Q4_K at 1..4 rows goes to the int8 GEMV, interpreted
+    here) with x or with x rounded to bf16."""
     rng = np.random.default_rng(seed)
     out, k, layers = 64, 512, 3
     layer = int(rng.integers(0, layers))
@@ -249,8 +249,8 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
     for rows in (3, 40):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
-        reduce = pallas and weight.startswith("Q4_K") and rows <= KERNEL_FORMATS[T.Q4_K].reduce_rows
-        w64 = dense if reduce else rounded_w
+        whole = pallas and weight.startswith("Q4_K") and rows <= 4
+        w64 = dense if whole else rounded_w
         exact, of_rounded_x = x.astype(np.float64) @ w64.T, x_bf16 @ w64.T
         scale = (np.abs(x.astype(np.float64)) @ np.abs(w64).T).max()
         some, none = (np.asarray(y, np.float64) for y in linear_mod.split_linear_many(jnp.asarray(x), [w, w], (low, 0)))

@@ -3,6 +3,7 @@
 
     python benchmarks/bench_decode_gemv.py [--sweep] [--seconds 400] [--json out.json]
     python benchmarks/bench_decode_gemv.py --rows-sweep --formats IQ4_XS,Q4_K,Q6_K   (the packed regimes by rows)
+    python benchmarks/bench_decode_gemv.py --split-sweep   (the int8 GEMV's tiles for its 5,120-output products)
 
 GB/s = weight bytes / the product kernel's time per layer (x and y are negligible), as a profiler trace of one
 jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2 records it (median launch); on a CPU,
@@ -31,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from benchmarks.quant_plan import random_packed  # noqa: E402
-from benchmarks.timing import call_kernels_ms, kernel_ms, median_ms  # noqa: E402
+from benchmarks.timing import call_kernels_ms, kernel_ms, median_ms, write_rows  # noqa: E402
 from luxjax.ops import backend  # noqa: E402
 from luxjax.ops.linear import _xla_linear  # noqa: E402
 from pallas_kernels import dense_gemv, quant_gemv_int8 as qi, quant_matmul as qm  # noqa: E402
@@ -238,7 +239,7 @@ def int8_sweep(deadline: float, key, first_sweep: bool = True, formats=("IQ4_XS"
             for case_i, (m, dtype) in enumerate(INT8_CASES):
                 x = jax.random.normal(key, (m, k), dtype)
                 first = fmt_i == shape_i == case_i == 0 and first_sweep and not defaults_only
-                default = qi.BlockSizes.get_default(m, out)
+                default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256)
                 variants = [("float reduce", qm._stacked_block_sizes(T[fmt], m, out))]
                 tiles = (int8_candidates() if first else [default] if fmt_i or defaults_only
                          else dict.fromkeys([default, *ranked[:3], *INT8_EXTRA]))
@@ -316,6 +317,46 @@ def stream_sweep(deadline: float, key) -> list[dict]:
     return rows
 
 
+# The int8 GEMV's 5,120-output products of a 27B decode step (MLP down, DeltaNet and attention output) against
+# fewer rows per program and K splits: at 16 rows a program they are 320 programs, where an H200 holds ~396 at once
+# (68 registers x 256 threads: three a multiprocessor), so a fifth of its slots stay empty for the whole product.
+# (format, out, in, rows, x dtype); the K-quants' 4-row cases also time the float reduce (whether 4 rows go to int8).
+SPLIT_CASES = [("IQ4_XS", 5120, 17408, 1, jnp.bfloat16), ("IQ4_XS", 5120, 6144, 1, jnp.float32),
+               ("IQ4_XS", 5120, 6144, 1, jnp.bfloat16), ("IQ4_XS", 5120, 17408, 4, jnp.bfloat16),
+               ("IQ4_XS", 5120, 6144, 4, jnp.bfloat16),
+               ("Q5_K", 5120, 17408, 1, jnp.bfloat16), ("Q6_K", 5120, 17408, 1, jnp.bfloat16),
+               ("Q4_K", 5120, 17408, 1, jnp.bfloat16), ("Q5_K", 5120, 17408, 4, jnp.bfloat16),
+               ("Q6_K", 5120, 17408, 4, jnp.bfloat16), ("Q4_K", 5120, 17408, 4, jnp.bfloat16)]
+SPLIT_VARIANTS = [qi.BlockSizes(16, 4, 8), qi.BlockSizes(16, 4, 8, prefetch=False), qi.BlockSizes(16, 2, 8, splits=2),
+                  qi.BlockSizes(16, 2, 8, splits=2, prefetch=False), qi.BlockSizes(16, 2, 4, splits=2),
+                  qi.BlockSizes(8, 2, 4, splits=2), qi.BlockSizes(16, 1, 8, splits=4)]
+
+
+def split_sweep(deadline: float, key) -> list[dict]:
+    """Each SPLIT_VARIANT on each SPLIT_CASE that its K splits divide: the GEMV kernel's median launch and all GPU
+    kernels per layer of the scan (x's quantization, the splits' sum and the chain's small ops included; in the
+    decoder the sum fuses with the residual add that follows)."""
+    rows = []
+    for fmt, out, k, m, dtype in SPLIT_CASES:
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        x = jax.random.normal(key, (m, k), dtype)
+        variants = list(SPLIT_VARIANTS)
+        if fmt != "IQ4_XS" and m > 2:
+            variants.append(qm._stacked_block_sizes(T[fmt], m, out))
+        for bs in variants:
+            int8 = isinstance(bs, qi.BlockSizes)
+            if time.time() > deadline or int8 and ((k // 256) % (bs.blocks_k * (bs.splits or 1)) or out % bs.block_n):
+                continue
+            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, kernel="int8" if int8 else "float reduce")
+            if row is None:
+                continue
+            row["all_ms"] = (call_kernels_ms(scan_fn(fmt, bs), x, stacked) or float("nan")) / layers
+            row["programs"] = out // bs.block_n * (bs.splits or 1) if int8 else None
+            rows.append(row)
+        del stacked
+    return rows
+
+
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
     """The products of one input as separate launches (each quantizing x) and as one int8_quant_matmul_many launch,
     in a scan over stacked layers: all GPU kernels per layer (quantization and the chain's small ops included) and
@@ -381,6 +422,8 @@ def main():
     ap.add_argument("--stream-sweep", action="store_true",
                     help="only the int8 GEMV's streaming variants (prefetch, row tiles per program), then products "
                          "of one input in one launch against separate launches")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="only the int8 GEMV's 5,120-output products at fewer rows per program and K splits")
     ap.add_argument("--group-tiles", help="block sizes for --stream-sweep's grouped products, e.g. 16,2,8,1,1 "
                                           "(block_n, blocks_k, warps, prefetch, tiles); default: the best of the sweep")
     ap.add_argument("--json")
@@ -390,6 +433,15 @@ def main():
     ceiling = copy_ceiling_gb_s()
     read = read_ceiling_gb_s()
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    if args.split_sweep:
+        rows = split_sweep(start + args.seconds, key)
+        write_rows(args.json, rows)
+        print("\n| format | out x in | rows | x | block sizes | programs | GEMV GB/s (kernel) | all kernels us per "
+              "layer |\n|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['format']} | {r['out']}x{r['in']} | {r['m']} | {r['x']} | {r['block_sizes']} | "
+                  f"{r['programs']} | {r['gb_s']:.0f} | {1e3 * r['all_ms']:.1f} |")
+        return
     if args.stream_sweep:
         rows = stream_sweep(start + 0.7 * args.seconds, key)
         first = [r for r in rows if (r["out"], r["in"], r["m"]) == STREAM_CASES[0][:3]]

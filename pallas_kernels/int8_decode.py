@@ -60,7 +60,6 @@ class Int8Format:
     sums: str | None = None  # ... of x as floats ("float": offsets) or of each level's integers ("levels": code_bias)
     split_planes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # plane -> view axes loaded an index
     # at a time: {index tuple: load}
-    dispatch_rows: int = 4  # most rows of x for which ops.linear prefers this kernel to the float reduce
 
 
 def words(b: jax.Array) -> jax.Array:
@@ -136,17 +135,14 @@ def _q6_k(p, magic: Magic) -> list[Group]:
 _K_PLANES = {"d": (1,), "dmin": (1,), "scales": (3, 2, 2), "qs": (2, 2, 2, 16)}
 _K_VIEW = dict(x_order="natural", x_words=(2, 2, 2, 2, 4), x_scales=(2, 2, 2, 2), acc=(2, 2, 2), x_sums=(2, 2, 2, 2),
                sums="float", split_planes={"scales": (0, 2)})
-# dispatch_rows: where the int8 form measured faster than the float reduce on an H200 on the 27B's decode shapes
-# (bench_decode_gemv.py --int8-sweep --default-tiles, session 22): Q5_K and Q6_K fell behind it at 4 rows on the
-# MLP's down projection (0.80x, 0.59x) while ahead at 1 and 2.
 
 INT8_FORMATS: dict[T, Int8Format] = {
     T.IQ4_XS: Int8Format({"d": (1,), "scales_h": (1,), "scales_l": (4,), "qs": (4, 2, 4)}, "iq4", (4, 2, 2, 4),
                          (4, 2), (4, 2), _iq4_xs),
     T.Q4_K: Int8Format(_K_PLANES, groups=lambda p, magic: _k_quant(p, magic, with_qh=False), **_K_VIEW),
     T.Q5_K: Int8Format({**_K_PLANES, "qh": (2, 16)}, groups=lambda p, magic: _k_quant(p, magic, with_qh=True),
-                       dispatch_rows=2, **_K_VIEW),
+                       **_K_VIEW),
     T.Q6_K: Int8Format({"ql": (2, 2, 2, 16), "qh": (2, 2, 16), "scales": (2, 2, 2, 2), "d": (1,)}, "natural",
                        (2, 2, 2, 2, 4), (2, 2, 2, 2), (2, 2, 2), _q6_k, x_sums=(2, 2, 2, 2), sums="levels",
-                       split_planes={"scales": (1,)}, dispatch_rows=2),
+                       split_planes={"scales": (1,)}),
 }

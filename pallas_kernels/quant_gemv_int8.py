@@ -37,12 +37,14 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from gguf.constants import GGMLQuantizationType as T
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend
+from luxjax.ops.linear import swiglu
 from pallas_kernels import dot4
 from pallas_kernels.dense_gemv import (
     per_weight_tile, split_count, split_out_shape, sum_splits, weight_outputs)
@@ -51,7 +53,12 @@ from pallas_kernels.int8_decode import INT8_FORMATS, Int8Format
 from pallas_kernels.quant_decode import IQ4_SIGNED_TABLE_WORDS, MAGIC, SIGNED_MAGIC, _s2f, kernel_magic
 from pallas_kernels.quant_matmul import WHOLE, RowView, _pad_to, blocks_per_step, uses_byte_perm
 
-MAX_ROWS = 4  # rows of x per program (each weight decoded once for all of them)
+# Rows of x per program (each weight decoded once for all of them), and the most for which ops.linear takes this
+# kernel: every format here measured faster than the float reduce at 1..4 rows on the 27B's decode shapes on an H200
+# (session 22 had Q5_K and Q6_K behind it at 4 rows on the MLP's down projection, 0.80x and 0.59x, loading the next
+# K step ahead; without that and at FEW_TILES' tiles, session 23's --split-sweep: 78.9 and 95.2 us a layer against
+# the float reduce's 119.8 and 110.0).
+MAX_ROWS = 4
 GROUP = 32  # values of x per int8 scale: one IQ4_XS sub-block
 LEVEL_STEP = 128.0  # each level of x is this much finer than the last
 TINY = 2.0**-100
@@ -72,17 +79,72 @@ class BlockSizes:
     tiles: int = 1  # row tiles per program, streamed one after another in one loop
 
     @classmethod
-    def get_default(cls, rows: int, n: int) -> BlockSizes:
-        """Fastest of a sweep on an H200 (bench_decode_gemv.py --int8-sweep): 16 rows, 4 blocks per K step and 8
-        warps; one block per step where the rows give fewer tiles than multiprocessors, so that K splits fill it.
-        Several row tiles per program measured slower (--stream-sweep: 1,022-1,537 against 2,186 GB/s)."""
-        return cls(16, 4 if n // 16 >= 132 else 1, 8)
+    def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int) -> BlockSizes:
+        """For x of `rows` rows times n rows of W (all of a launch's weights) in ggml_type, `blocks` blocks per row.
+        Fastest of sweeps on an H200 (bench_decode_gemv.py --int8-sweep): 16 rows, 4 blocks per K step and 8 warps;
+        one block per step where the rows give fewer tiles than multiprocessors, so that K splits fill it; below one
+        wave of programs, FEW_TILES. Several row tiles per program measured slower (--stream-sweep: 1,022-1,537
+        against 2,186 GB/s). The K-quants do not load ahead (FEW_TILES' sweep: with prefetch 1.1-2x slower)."""
+        tiles, prefetch = n // 16, None if ggml_type == T.IQ4_XS else False
+        if tiles < 132:
+            return cls(16, 1, 8, prefetch=prefetch)
+        few = FEW_TILES[ggml_type][rows > 2]
+        if tiles < ONE_WAVE_TILES and blocks % (few.blocks_k * (few.splits or 1)) == 0:
+            return few
+        return cls(16, 4, 8, prefetch=prefetch)
 
     def prefetches(self, steps: int) -> bool:
         """Whether a program of `steps` K steps per row tile loads ahead: by default where the loop is long enough
         to hide loads behind (an H200, --stream-sweep: 5120 x 17408 with 17 steps 1,889 against 1,757 GB/s, 1024 x
         5120 with 10 steps 537 against 473; at 5 or 6 steps equal or up to 9% slower)."""
         return steps >= PREFETCH_MIN_STEPS if self.prefetch is None else self.prefetch
+
+
+ONE_WAVE_TILES = 396  # 16-row programs an H200 holds at once (68-80 registers x 256 threads: 3 a multiprocessor)
+# Block sizes for products of fewer row tiles than ONE_WAVE_TILES (the 27B's 5,120-output products: MLP down,
+# attention and DeltaNet output, 320 tiles of 16 rows: a fifth of the GPU's program slots idle), per format for
+# 1-2 and for 3-4 rows of x: the fastest of `bench_decode_gemv.py --split-sweep` on an H200 (session 23), GPU us per
+# layer on 5120 x 17408 at 1 / 4 rows of bf16 x against 16, 4, 8 with prefetch (the previous default): IQ4_XS 33.5
+# / 64.1 against 36.8 / 71.1 (5120 x 6144: 17.6 float32 x against 18.9, 22.3 at 4 rows against 32.7); Q4_K 37.8 /
+# 68.1 against 49.9 / 72.5; Q5_K 42.6 / 78.9 against 64.9 / 147.9; Q6_K 46.1 / 95.2 against 67.4 / 180.7.
+FEW_TILES = {
+    T.IQ4_XS: (BlockSizes(16, 2, 8, splits=2), BlockSizes(16, 2, 4, splits=2)),
+    T.Q4_K: (BlockSizes(16, 2, 8, splits=2, prefetch=False), BlockSizes(16, 2, 4, splits=2)),
+    T.Q5_K: (BlockSizes(16, 4, 8, prefetch=False), BlockSizes(16, 4, 8, prefetch=False)),
+    T.Q6_K: (BlockSizes(16, 2, 4, splits=2), BlockSizes(16, 2, 4, splits=2)),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class GatedInput:
+    """x = silu(gate) * up, rounded to gate's dtype: an MLP's activation, handed to the GEMV unformed so that its
+    quantization kernel forms it (in a 27B decode step that is a launch fewer per layer: XLA's activation fusion)."""
+
+    gate: jax.Array  # [M, K]
+    up: jax.Array  # [M, K]
+
+    @property
+    def shape(self):
+        return self.gate.shape
+
+    @property
+    def dtype(self):
+        return self.gate.dtype
+
+
+def _x_values(x_refs, index) -> jax.Array:
+    """A quantization kernel's block of x at `index`, float32: its one input's, or a gated input's (gate, up)
+    activation."""
+    if len(x_refs) == 1:
+        return x_refs[0][index].astype(jnp.float32)
+    gate_ref, up_ref = x_refs
+    return swiglu(gate_ref[index], up_ref[index]).astype(jnp.float32)
+
+
+def _x_arrays(x) -> tuple[jax.Array, ...]:
+    """The arrays a quantization kernel reads for x: (x,) or a GatedInput's (gate, up)."""
+    return (x.gate, x.up) if isinstance(x, GatedInput) else (x,)
 
 
 def levels_for(dtype) -> int:
@@ -116,14 +178,17 @@ def iq4_words(q: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(v.reshape(*v.shape[:7], 4), jnp.int32)
 
 
-def _quantize_kernel(const_ref, x_ref, q_ref, d_ref, *, levels, interpret):
-    """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x_ref [4, 2, 2, 4, 2, 2] is the
-    block as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp + 16*hi + 4*w + 2*h + b); q_ref [levels, 4, 2, 2, 4] its
-    words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the scales of its sub-blocks (g2, gp). Rounds by adding and
-    subtracting 1.5 * 2^23 (to nearest, ties to even: jnp.round's rule) with the constant loaded at run time."""
+def _quantize_kernel(const_ref, *refs, levels, interpret):
+    """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x's refs (its own, or a gated
+    input's gate and up: _x_values) [4, 2, 2, 4, 2, 2] are the block as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp +
+    16*hi + 4*w + 2*h + b); q_ref [levels, 4, 2, 2, 4] its words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the
+    scales of its sub-blocks (g2, gp). Rounds by adding and subtracting 1.5 * 2^23 (to nearest, ties to even:
+    jnp.round's rule) with the constant loaded at run time."""
+    *x_refs, q_ref, d_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     bytes_at = list(itertools.product(range(2), range(2), range(2)))  # (hi, h, b)
-    rest = [x_ref[:, :, hi, :, h, b].astype(jnp.float32) for hi, h, b in bytes_at]  # each [4, 2, 4]: (g2, gp, w)
+    rest = [_x_values(x_refs, (slice(None), slice(None), hi, slice(None), h, b))
+            for hi, h, b in bytes_at]  # each [4, 2, 4]: (g2, gp, w)
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])
     d = jnp.maximum(amax, TINY) / 127.0  # [4, 2]: groups below 2^-100 quantize to zeros, as in quantize_x
     d_ref[...] = d
@@ -139,36 +204,41 @@ def _quantize_kernel(const_ref, x_ref, q_ref, d_ref, *, levels, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "interpret"))
-def quantized_words(x: jax.Array, levels: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(iq4_words(q), d reshaped [M, K / 256, 4, 2]) for (q, d) = quantize_x(x, levels), as one kernel launch of one
-    program per 256 values: in XLA they were three fusions (the groups' maxima, the scales, the levels' words) per
-    GEMV launch (H200 profile of an IQ4_XS 27B decode step: 744 launches, 1.0 ms of 10.2; with this kernel 248
-    launches, 0.38 ms). Not bit for bit quantize_x where a compiler divides or fuses differently (a level may move
-    by one); within the same error bound."""
+def quantized_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(iq4_words(q), d reshaped [M, K / 256, 4, 2]) for (q, d) = quantize_x(x, levels) (a GatedInput formed first,
+    in the kernel), as one kernel launch of one program per 256 values: in XLA they were three fusions (the groups'
+    maxima, the scales, the levels' words) per GEMV launch (H200 profile of an IQ4_XS 27B decode step: 744 launches,
+    1.0 ms of 10.2; with this kernel 248 launches, 0.38 ms). Not bit for bit quantize_x where a compiler divides or
+    fuses differently (a level may move by one); within the same error bound."""
     m, k = x.shape
     blocks = k // 256
+    view = (4, 2, 2, 4, 2, 2)
+    arrays = _x_arrays(x)
     words, scales = pl.pallas_call(
         functools.partial(_quantize_kernel, levels=levels, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, 4, 2, 2, 4), jnp.int32),
                    jax.ShapeDtypeStruct((m, blocks, 4, 2), jnp.float32)),
         grid=(m, blocks),
-        in_specs=[WHOLE, pl.BlockSpec((None, None, 4, 2, 2, 4, 2, 2), lambda r, j: (r, j, 0, 0, 0, 0, 0, 0))],
+        in_specs=[WHOLE, *(pl.BlockSpec((None, None, *view), lambda r, j: (r, j, 0, 0, 0, 0, 0, 0))
+                           for _ in arrays)],
         out_specs=(pl.BlockSpec((None, levels, None, 4, 2, 2, 4), lambda r, j: (r, 0, j, 0, 0, 0, 0)),
                    pl.BlockSpec((None, None, 4, 2), lambda r, j: (r, j, 0, 0))),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="quantize_x",
-    )(jnp.asarray(_CONSTANTS, jnp.uint32), x.reshape(m, blocks, 4, 2, 2, 4, 2, 2))
+    )(jnp.asarray(_CONSTANTS, jnp.uint32), *(a.reshape(m, blocks, *view) for a in arrays))
     return words, scales
 
 
-def _natural_quantize_kernel(const_ref, x_ref, q_ref, d_ref, s_ref, ls_ref, *, levels, interpret):
-    """One 256-value block of one row of x in value order: x_ref [8, 2, 4, 4] is the block as (group of 32, half,
-    word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4] its words, byte b of word (g, h, w) its value
-    32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once per half); s_ref [8, 2] the sum of each 16
+def _natural_quantize_kernel(const_ref, *refs, levels, interpret):
+    """One 256-value block of one row of x in value order: x's refs [8, 2, 4, 4] (its own, or a gated input's gate
+    and up) are the block as (group of 32, half, word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4]
+    its words, byte b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once per half); s_ref [8, 2] the sum of each 16
     values (float32, before quantization); ls_ref [levels, 8, 2] each level's integer sum over each 16 values.
     Rounds as _quantize_kernel."""
+    *x_refs, q_ref, d_ref, s_ref, ls_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
-    rest = [x_ref[:, :, :, b].astype(jnp.float32) for b in range(4)]  # each [8, 2, 4]
+    rest = [_x_values(x_refs, (slice(None), slice(None), slice(None), b)) for b in range(4)]  # each [8, 2, 4]
     s_ref[...] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in rest])
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])  # [8, 2]
     amax = jnp.max(amax, axis=-1, keepdims=True)  # [8, 1]
@@ -187,9 +257,10 @@ def _natural_quantize_kernel(const_ref, x_ref, q_ref, d_ref, s_ref, ls_ref, *, l
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "interpret"))
-def natural_words(x: jax.Array, levels: int, *, interpret: bool = False
+def natural_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """x [M, K] (K a multiple of 256) in `levels` int8 levels, words in value order, for the K-quants:
+    """x [M, K] (K a multiple of 256; a GatedInput formed in the kernel) in `levels` int8 levels, words in value
+    order, for the K-quants:
     (words int32 [M, levels, K / 256, 8, 2, 4], word (g, h, w) holding values 32g + 16h + 4w .. + 3 low byte first;
     scales [M, K / 256, 8, 2], max |x| / 127 of each 32 values, twice; sums [M, K / 256, 8, 2] of each 16 values of
     x; level sums int32 [M, levels, K / 256, 8, 2] of each level over each 16 values), one kernel launch of a
@@ -197,22 +268,24 @@ def natural_words(x: jax.Array, levels: int, *, interpret: bool = False
     m, k = x.shape
     blocks = k // BLOCK
     view = (8, 2)
+    arrays = _x_arrays(x)
     return pl.pallas_call(
         functools.partial(_natural_quantize_kernel, levels=levels, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, *view, 4), jnp.int32),
                    *(jax.ShapeDtypeStruct((m, blocks, *view), jnp.float32) for _ in range(2)),
                    jax.ShapeDtypeStruct((m, levels, blocks, *view), jnp.int32)),
         grid=(m, blocks),
-        in_specs=[WHOLE, pl.BlockSpec((None, None, *view, 4, 4), lambda r, j: (r, j, 0, 0, 0, 0))],
+        in_specs=[WHOLE, *(pl.BlockSpec((None, None, *view, 4, 4), lambda r, j: (r, j, 0, 0, 0, 0)) for _ in arrays)],
         out_specs=(pl.BlockSpec((None, levels, None, *view, 4), lambda r, j: (r, 0, j, 0, 0, 0)),
                    *(pl.BlockSpec((None, None, *view), lambda r, j: (r, j, 0, 0)) for _ in range(2)),
                    pl.BlockSpec((None, levels, None, *view), lambda r, j: (r, 0, j, 0, 0))),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="quantize_x_natural",
-    )(jnp.asarray(_CONSTANTS, jnp.uint32), x.reshape(m, blocks, *view, 4, 4))
+    )(jnp.asarray(_CONSTANTS, jnp.uint32), *(a.reshape(m, blocks, *view, 4, 4) for a in arrays))
 
 
-def quantized_x(x: jax.Array, fmt: Int8Format, levels: int, *, interpret: bool = False) -> tuple[jax.Array, ...]:
+def quantized_x(x: jax.Array | GatedInput, fmt: Int8Format, levels: int, *, interpret: bool = False
+                ) -> tuple[jax.Array, ...]:
     """x [M, K] as the kernel takes it for `fmt`: (words [M, levels, K / 256, *fmt.x_words], scales [M, K / 256,
     *fmt.x_scales], and where the format takes them float sums [M, K / 256, *fmt.x_sums] or level sums [M, levels,
     K / 256, *fmt.x_sums]), one quantization launch."""
@@ -363,32 +436,33 @@ def supported(x_shape, w: QuantizedTensor, stacked: bool) -> bool:
 
 def supported_many(x_shape, ws, stacked: bool) -> bool:
     """Whether int8_quant_matmul_many takes x [..., in] and the packed weights ws (stacked: each [L, out_i, in],
-    one L): one format it has, x's rows within the format's dispatch_rows, every in equal to x's, rows that whole
-    row blocks cover when stacked."""
+    one L): one format it has, 1..MAX_ROWS rows of x, every in equal to x's, rows that whole row blocks cover when
+    stacked."""
     m, ns = math.prod(x_shape[:-1]), [w.shape[0] for w in ws]
     if not (ws and 0 < m <= MAX_ROWS and all(w.ggml_type in FORMATS and w.ndim == 2 for w in ws)):
-        return False
-    if m > INT8_FORMATS[ws[0].ggml_type].dispatch_rows:
         return False
     if len({w.ggml_type for w in ws}) != 1 or any(w.shape[1] != x_shape[-1] for w in ws):
         return False
     if stacked and len({w.planes["d"].shape[0] for w in ws}) != 1:
         return False
-    return not stacked or all(n % _program_rows(BlockSizes.get_default(m, sum(ns))) == 0 for n in ns)
+    default = BlockSizes.get_default(m, sum(ns), ws[0].ggml_type, x_shape[-1] // BLOCK)
+    return not stacked or all(n % _program_rows(default) == 0 for n in ns)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "levels", "out_dtype", "interpret", "debug"))
-def int8_quant_matmul(x: jax.Array, w: QuantizedTensor, layer: jax.Array | None = None, *,
+def int8_quant_matmul(x: jax.Array | GatedInput, w: QuantizedTensor, layer: jax.Array | None = None, *,
                       block_sizes: BlockSizes | None = None, levels: int | None = None, out_dtype=None,
                       interpret: bool = False, debug: bool = False) -> jax.Array:
     """x [M, in] @ W.T (W[layer].T for W stacked over layers, every plane [L, rows, ...], read in place) -> [M, out]
-    in out_dtype (default x's), M <= MAX_ROWS, x quantized to `levels` int8 levels (default levels_for(x.dtype))."""
+    in out_dtype (default x's), M <= MAX_ROWS, x quantized to `levels` int8 levels (default levels_for(x.dtype));
+    x may be a GatedInput, formed by the quantization kernel."""
     return int8_quant_matmul_many(x, (w,), layer, block_sizes=block_sizes, levels=levels, out_dtype=out_dtype,
                                   interpret=interpret, debug=debug)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "levels", "out_dtype", "interpret", "debug"))
-def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer: jax.Array | None = None, *,
+def int8_quant_matmul_many(x: jax.Array | GatedInput, ws: tuple[QuantizedTensor, ...],
+                           layer: jax.Array | None = None, *,
                            block_sizes: BlockSizes | None = None, levels: int | None = None, out_dtype=None,
                            interpret: bool = False, debug: bool = False) -> tuple[jax.Array, ...]:
     """(int8_quant_matmul(x, w, layer) for w in ws) in one launch: the projections of one input (gate and up; q, k
@@ -408,8 +482,8 @@ def int8_quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer:
         raise NotImplementedError(f"one format per launch, got {[w.ggml_type.name for w in ws]}")
     fmt = INT8_FORMATS[ws[0].ggml_type]
     ns = tuple(w.shape[0] for w in ws)
-    bs = block_sizes or BlockSizes.get_default(m, sum(ns))
     blocks = k // BLOCK
+    bs = block_sizes or BlockSizes.get_default(m, sum(ns), ws[0].ggml_type, blocks)
     kb = blocks_per_step(blocks, bs.blocks_k)
     program_rows = _program_rows(bs)
     if layer is None:  # rows padded to whole tiles (a stacked weight cannot be: it would be copied)

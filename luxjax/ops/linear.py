@@ -2,7 +2,7 @@
 
 `_impl` is the single dispatch point: packed weights in a format with a fused kernel, with at most
 _PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when luxjax.ops.backend chooses Pallas
-(GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS and Q4_K at 1..4 rows and Q5_K and Q6_K at 1..2 where
+(GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS, Q4_K, Q5_K and Q6_K at 1..4 rows where
 the GPU has integer dot products (CUDA), to the int8 GEMV (pallas_kernels/quant_gemv_int8.py: x in int8 levels;
 LUXJAX_INT8_GEMV=off declines it);
 larger products of packed weights decode them with the Pallas dequantize kernel and run one vendor GEMM (the
@@ -234,6 +234,28 @@ def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     return _impl(x, w, out_dtype)
 
 
+def swiglu(gate, up):
+    """silu(gate) * up in float32, rounded to gate's dtype: the MLP's activation (arrays, or a kernel's loads)."""
+    g = gate.astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def gated_linear(gate: jax.Array, up: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
+    """swiglu(gate, up) @ W.T: an MLP's down projection. Where the int8 GEMV takes W, its x quantization kernel
+    forms the activation (XLA's activation fusion was a launch of its own per layer: 64 of ~1.7 us in a 27B decode
+    step on an H200); elsewhere XLA forms it and linear() runs the product."""
+    packed = _packed_layer(w)
+    if (packed is not None and backend.use_pallas() and gate.dtype in _KERNEL_X_DTYPES
+            and _int8_takes(gate.shape, (packed[0],), packed[1])):
+        from pallas_kernels import quant_gemv_int8
+
+        k = gate.shape[-1]
+        x = quant_gemv_int8.GatedInput(gate.reshape(-1, k), up.reshape(-1, k))
+        y = quant_gemv_int8.int8_quant_matmul(x, *packed, out_dtype=out_dtype, interpret=backend.interpret())
+        return y.reshape(*gate.shape[:-1], y.shape[-1])
+    return linear(swiglu(gate, up), w, out_dtype)
+
+
 _FUSED_ROW_TILE = 32  # weights fused in one launch share a row tile; few-row ones (48) would shrink everyone's
 
 
@@ -325,8 +347,8 @@ def leading_rows(w: Weight | LayerSlice, count: int) -> Weight:
 def _takes_x_whole(rows: int, w) -> bool:
     """Whether `rows` rows of float32 x times packed w go to a decode kernel that takes x as it is: the int8 GEMV
     (x in three int8 levels, within 2^-22 of each 32 values' largest) or the fused kernel's GEMV reduce (exact
-    float32 products). Split into two bf16 parts, x would double the rows: past the int8 GEMV's for Q4_K at 3-4
-    rows, Q6_K at 2 (the 27B Q4_K_M model's DeltaNet projections), into the float kernel's tensor-core regime."""
+    float32 products). Split into two bf16 parts, x would double the rows: past the int8 GEMV's at 3-4 rows (the
+    27B Q4_K_M model's DeltaNet projections), into the float kernel's tensor-core regime."""
     packed = _packed_layer(w)
     if packed is None:
         return False

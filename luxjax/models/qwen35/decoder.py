@@ -16,7 +16,7 @@ from luxjax.layers.rope import interleaved_mrope_axes, inverse_frequencies, mrop
 from luxjax.models.qwen35.attention import GatedAttention, empty_kv_cache
 from luxjax.models.qwen35.config import FULL_ATTENTION, TextConfig
 from luxjax.models.qwen35.deltanet import GatedDeltaNet, empty_deltanet_cache
-from luxjax.ops.linear import LayerSlice, linear, linear_many
+from luxjax.ops.linear import LayerSlice, gated_linear, linear, linear_many
 
 PREFIX = "model.language_model."
 
@@ -28,9 +28,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(w("down_proj.weight"))
 
     def __call__(self, x):
-        gate, up = (y.astype(jnp.float32) for y in linear_many(x, (self.gate_proj.weight.get_value(),
-                                                                   self.up_proj.weight.get_value())))
-        return self.down_proj((jax.nn.silu(gate) * up).astype(x.dtype))
+        gate, up = linear_many(x, (self.gate_proj.weight.get_value(), self.up_proj.weight.get_value()))
+        return gated_linear(gate, up, self.down_proj.weight.get_value())
 
 
 class DecoderLayer(nnx.Module):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -60,6 +61,7 @@ def chain(x, y):
     return x * 0.999 + (1e-3 * jnp.mean(y.astype(jnp.float32), axis=1, keepdims=True)).astype(x.dtype)
 
 
+@functools.cache
 def scan_fn(fmt: str, block_sizes):
     """jit(x, stacked) -> x after one in-place product per layer (each layer's input depends on the last)."""
     def product(x, w, i):

@@ -132,6 +132,9 @@ class GatedInput:
     def dtype(self):
         return self.gate.dtype
 
+    def reshape(self, *shape) -> GatedInput:
+        return GatedInput(self.gate.reshape(*shape), self.up.reshape(*shape))
+
 
 def _x_values(x_refs, index) -> jax.Array:
     """A quantization kernel's block of x at `index`, float32: its one input's, or a gated input's (gate, up)
@@ -233,9 +236,9 @@ def quantized_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool =
 def _natural_quantize_kernel(const_ref, *refs, levels, interpret):
     """One 256-value block of one row of x in value order: x's refs [8, 2, 4, 4] (its own, or a gated input's gate
     and up) are the block as (group of 32, half, word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4]
-    its words, byte b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once per half); s_ref [8, 2] the sum of each 16
-    values (float32, before quantization); ls_ref [levels, 8, 2] each level's integer sum over each 16 values.
-    Rounds as _quantize_kernel."""
+    its words, byte b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once
+    per half); s_ref [8, 2] the sum of each 16 values (float32, before quantization); ls_ref [levels, 8, 2] each
+    level's integer sum over each 16 values. Rounds as _quantize_kernel."""
     *x_refs, q_ref, d_ref, s_ref, ls_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     rest = [_x_values(x_refs, (slice(None), slice(None), slice(None), b)) for b in range(4)]  # each [8, 2, 4]

@@ -101,9 +101,9 @@ def _int8_takes(x_shape, tensors, layer) -> bool:
         x_shape, tuple(tensors), stacked=layer is not None)
 
 
-def _int8_linear(x: jax.Array, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
+def _int8_linear(x, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
     """x @ W.T (W[layer].T for a stacked w) by the int8 decode GEMV where the platform runs it natively and it
-    takes the format and rows, else None."""
+    takes the format and rows, else None. x: an array or a quant_gemv_int8.GatedInput."""
     from pallas_kernels import quant_gemv_int8
 
     if not _int8_takes(x.shape, (w,), layer):
@@ -245,14 +245,12 @@ def gated_linear(gate: jax.Array, up: jax.Array, w: Weight | LayerSlice, out_dty
     forms the activation (XLA's activation fusion was a launch of its own per layer: 64 of ~1.7 us in a 27B decode
     step on an H200); elsewhere XLA forms it and linear() runs the product."""
     packed = _packed_layer(w)
-    if (packed is not None and backend.use_pallas() and gate.dtype in _KERNEL_X_DTYPES
-            and _int8_takes(gate.shape, (packed[0],), packed[1])):
-        from pallas_kernels import quant_gemv_int8
+    if packed is not None and backend.use_pallas() and gate.dtype in _KERNEL_X_DTYPES:
+        from pallas_kernels.quant_gemv_int8 import GatedInput
 
-        k = gate.shape[-1]
-        x = quant_gemv_int8.GatedInput(gate.reshape(-1, k), up.reshape(-1, k))
-        y = quant_gemv_int8.int8_quant_matmul(x, *packed, out_dtype=out_dtype, interpret=backend.interpret())
-        return y.reshape(*gate.shape[:-1], y.shape[-1])
+        y = _int8_linear(GatedInput(gate, up), *packed, out_dtype)
+        if y is not None:
+            return y
     return linear(swiglu(gate, up), w, out_dtype)
 
 

@@ -203,7 +203,9 @@ def swiglu_oracle(gate: np.ndarray, up: np.ndarray, dtype) -> tuple[np.ndarray, 
     either neighbour is right, so the allowance is one step of dtype there."""
     with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for very negative gate: silu is -0 there
         exact = gate / (1 + np.exp(-gate)) * up
-    as_dtype = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)  # noqa: E731
+    def as_dtype(v):
+        return np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+
     x = as_dtype(exact)
     low, high = (as_dtype(exact * (1 + sign * SWIGLU_EVAL_ERROR)) for sign in (-1, 1))
     return x, np.abs(high - low) + SWIGLU_EVAL_ERROR * np.abs(exact)

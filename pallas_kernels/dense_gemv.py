@@ -90,11 +90,19 @@ def per_weight_tile(tile, tile_counts: tuple[int, ...], body) -> None:
         first += count
 
 
-def weight_outputs(y: jax.Array, widths: tuple[int, ...], kept: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """Each weight's output columns of y [M, sum(widths)], the weights' (padded) outputs side by side: the first
-    kept[i] of weight i's widths[i]."""
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    return tuple(y[:, start: start + n] for start, n in zip(starts, kept))
+def weight_out_specs(tile_counts: tuple[int, ...], block_shape: tuple[int, ...]) -> list[pl.BlockSpec]:
+    """Out specs giving each weight of a kernel over several weights' row tiles (grid (row block, tile, split)) an
+    output of its own, [splits, rows of x, its rows]: program (i, j, s) writes block (s, i, j - first) of weight
+    w's output, where w owns tiles [first, first + count); the other weights' specs point it at a clamped block it
+    never writes (Triton stores only what the kernel stores). One array per weight rather than slices of one: a
+    slice feeding another kernel is a copy of its own (XLA fuses slices only into its own fusions; a 27B decode
+    step on an H200 made ~160 such launches)."""
+    specs, first = [], 0
+    for count in tile_counts:
+        specs.append(pl.BlockSpec(block_shape, lambda i, j, s, first=first, count=count: (
+            s, i, jnp.clip(j - first, 0, count - 1))))
+        first += count
+    return specs
 
 
 def pow2_divisor(size: int, most: int) -> int:
@@ -107,13 +115,13 @@ def pow2_divisor(size: int, most: int) -> int:
 
 def _kernel(layer_ref, x_ref, *refs, tiles, block_n, block_k, steps, reduce, dot_dtype):
     """Program (tile, split): row tile `tile` of the weights' outputs side by side (weight i owns tiles[i] of them),
-    K steps split * steps ... of it. o_ref [splits, M, sum N]: partial sums go to row `split` (0 when unsplit)."""
-    *w_refs, o_ref = refs
+    K steps split * steps ... of it. Weight i's o_ref [splits, M, N_i]: partial sums go to row `split` (0 when
+    unsplit)."""
+    w_refs, o_refs = refs[:len(tiles)], refs[len(tiles):]
     tile, split = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
-    out_rows = pl.ds(pl.multiple_of(tile * block_n, block_n), block_n)
 
-    def product(w_ref, rows):
+    def product(w_ref, o_ref, rows):
         def step(s, acc):
             cols = pl.ds(pl.multiple_of((split * steps + s) * block_k, block_k), block_k)
             w = w_ref[layer, rows, cols]  # [BN, BK]
@@ -123,13 +131,13 @@ def _kernel(layer_ref, x_ref, *refs, tiles, block_n, block_k, steps, reduce, dot
 
         if reduce:
             acc = lax.fori_loop(0, steps, step, jnp.zeros((block_n, block_k), jnp.float32))
-            o_ref[split, 0, out_rows] = acc.sum(axis=1).astype(o_ref.dtype)
+            o_ref[split, 0, rows] = acc.sum(axis=1).astype(o_ref.dtype)
         else:
             acc = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
-            o_ref[split, :, out_rows] = acc.astype(o_ref.dtype)
+            o_ref[split, :, rows] = acc.astype(o_ref.dtype)
 
     per_weight_tile(tile, tiles, lambda i, local: product(
-        w_refs[i], pl.ds(pl.multiple_of(local * block_n, block_n), block_n)))
+        w_refs[i], o_refs[i], pl.ds(pl.multiple_of(local * block_n, block_n), block_n)))
 
 
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -185,14 +193,14 @@ def stacked_gemv_many(x: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array,
     tiles = tuple(n // bs.block_n for n in ns)
     kernel = functools.partial(_kernel, tiles=tiles, block_n=bs.block_n, block_k=bs.block_k,
                                steps=k // (bs.block_k * bs.splits), reduce=reduce, dot_dtype=dot_dtype)
-    y = pl.pallas_call(
+    ys = pl.pallas_call(
         kernel,
-        out_shape=split_out_shape(bs.splits, rows, sum(ns), out_dtype),
+        out_shape=tuple(split_out_shape(bs.splits, rows, n, out_dtype) for n in ns),  # one per weight: no slices
         grid=(sum(tiles), bs.splits),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name="stacked_gemv",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), xp, *ws)
-    return weight_outputs(sum_splits(y[:, :m], out_dtype), ns, ns)
+    return tuple(sum_splits(y[:, :m], out_dtype) for y in ys)
 
 
 def stacked_gemv_reference(x: jax.Array, w: jax.Array, layer: jax.Array, out_dtype=None) -> jax.Array:

@@ -44,10 +44,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend
-from luxjax.ops.linear import swiglu
+from luxjax.ops.deferred import Deferred, GatedInput, NormedInput
 from pallas_kernels import dot4
 from pallas_kernels.dense_gemv import (
-    per_weight_tile, split_count, split_out_shape, sum_splits, weight_outputs)
+    per_weight_tile, split_count, split_out_shape, sum_splits, weight_out_specs)
 from pallas_kernels.fma import fma
 from pallas_kernels.int8_decode import INT8_FORMATS, Int8Format
 from pallas_kernels.quant_decode import IQ4_SIGNED_TABLE_WORDS, MAGIC, SIGNED_MAGIC, _s2f, kernel_magic
@@ -115,39 +115,40 @@ FEW_TILES = {
 }
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class GatedInput:
-    """x = silu(gate) * up, rounded to gate's dtype: an MLP's activation, handed to the GEMV unformed so that its
-    quantization kernel forms it (in a 27B decode step that is a launch fewer per layer: XLA's activation fusion)."""
-
-    gate: jax.Array  # [M, K]
-    up: jax.Array  # [M, K]
-
-    @property
-    def shape(self):
-        return self.gate.shape
-
-    @property
-    def dtype(self):
-        return self.gate.dtype
-
-    def reshape(self, *shape) -> GatedInput:
-        return GatedInput(self.gate.reshape(*shape), self.up.reshape(*shape))
+def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:
+    """(arrays, in specs) a quantization kernel of grid (row, block) reads for x [m, blocks * 256], each block
+    [*view]: x's own blocks; a GatedInput's gate and up blocks; a NormedInput's blocks of x, its sum_sq [m] and the
+    stacked weight [L, blocks, *view] whole with the layer [1] (the kernel indexes them: _x_values)."""
+    block = pl.BlockSpec((None, None, *view), lambda r, j: (r, j) + (0,) * len(view))
+    if isinstance(x, GatedInput):
+        return [x.gate.reshape(m, blocks, *view), x.up.reshape(m, blocks, *view)], [block, block]
+    if isinstance(x, NormedInput):
+        arrays = [x.x.reshape(m, blocks, *view), x.sum_sq.reshape(m),
+                  x.weight.reshape(x.weight.shape[0], blocks, *view), jnp.reshape(x.layer, (1,)).astype(jnp.int32)]
+        return arrays, [block, WHOLE, WHOLE, WHOLE]
+    return [x.reshape(m, blocks, *view)], [block]
 
 
-def _x_values(x_refs, index) -> jax.Array:
-    """A quantization kernel's block of x at `index`, float32: its one input's, or a gated input's (gate, up)
-    activation."""
-    if len(x_refs) == 1:
-        return x_refs[0][index].astype(jnp.float32)
-    gate_ref, up_ref = x_refs
-    return swiglu(gate_ref[index], up_ref[index]).astype(jnp.float32)
+def _x_form(x) -> tuple:
+    """What a quantization kernel needs to know of x when tracing: its type (array or deferred), dtype, width and a
+    NormedInput's eps."""
+    return type(x), jnp.dtype(x.dtype), x.shape[-1], getattr(x, "eps", None)
 
 
-def _x_arrays(x) -> tuple[jax.Array, ...]:
-    """The arrays a quantization kernel reads for x: (x,) or a GatedInput's (gate, up)."""
-    return (x.gate, x.up) if isinstance(x, GatedInput) else (x,)
+def _x_values(x_form, x_refs, index) -> jax.Array:
+    """A quantization kernel's block of x at `index` (of its [*view] block), float32, formed where x is deferred
+    (x_form: _x_form(x); x_refs: its _x_operands)."""
+    kind, dtype, width, eps = x_form
+    if kind is GatedInput:
+        gate_ref, up_ref = x_refs
+        return GatedInput.form(gate_ref[index], up_ref[index]).astype(jnp.float32)
+    if kind is NormedInput:
+        x_ref, sum_sq_ref, w_ref, layer_ref = x_refs
+        row, block = pl.program_id(0), pl.program_id(1)
+        weight = w_ref[(layer_ref[0], block, *index)]
+        inv_rms = NormedInput.inverse_rms(sum_sq_ref[row], width, eps)
+        return NormedInput.form(x_ref[index], inv_rms, weight, dtype).astype(jnp.float32)
+    return x_refs[0][index].astype(jnp.float32)
 
 
 def levels_for(dtype) -> int:
@@ -181,16 +182,16 @@ def iq4_words(q: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(v.reshape(*v.shape[:7], 4), jnp.int32)
 
 
-def _quantize_kernel(const_ref, *refs, levels, interpret):
-    """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x's refs (its own, or a gated
-    input's gate and up: _x_values) [4, 2, 2, 4, 2, 2] are the block as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp +
-    16*hi + 4*w + 2*h + b); q_ref [levels, 4, 2, 2, 4] its words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the
+def _quantize_kernel(const_ref, *refs, x_form, levels, interpret):
+    """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x's refs (_x_operands; formed by
+    _x_values) give the block [4, 2, 2, 4, 2, 2] as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp + 16*hi + 4*w + 2*h +
+    b); q_ref [levels, 4, 2, 2, 4] its words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the
     scales of its sub-blocks (g2, gp). Rounds by adding and subtracting 1.5 * 2^23 (to nearest, ties to even:
     jnp.round's rule) with the constant loaded at run time."""
     *x_refs, q_ref, d_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     bytes_at = list(itertools.product(range(2), range(2), range(2)))  # (hi, h, b)
-    rest = [_x_values(x_refs, (slice(None), slice(None), hi, slice(None), h, b))
+    rest = [_x_values(x_form, x_refs, (slice(None), slice(None), hi, slice(None), h, b))
             for hi, h, b in bytes_at]  # each [4, 2, 4]: (g2, gp, w)
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])
     d = jnp.maximum(amax, TINY) / 127.0  # [4, 2]: groups below 2^-100 quantize to zeros, as in quantize_x
@@ -207,9 +208,9 @@ def _quantize_kernel(const_ref, *refs, levels, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "interpret"))
-def quantized_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool = False
+def quantized_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array]:
-    """(iq4_words(q), d reshaped [M, K / 256, 4, 2]) for (q, d) = quantize_x(x, levels) (a GatedInput formed first,
+    """(iq4_words(q), d reshaped [M, K / 256, 4, 2]) for (q, d) = quantize_x(x, levels) (a deferred x formed first,
     in the kernel), as one kernel launch of one program per 256 values: in XLA they were three fusions (the groups'
     maxima, the scales, the levels' words) per GEMV launch (H200 profile of an IQ4_XS 27B decode step: 744 launches,
     1.0 ms of 10.2; with this kernel 248 launches, 0.38 ms). Not bit for bit quantize_x where a compiler divides or
@@ -217,31 +218,30 @@ def quantized_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool =
     m, k = x.shape
     blocks = k // 256
     view = (4, 2, 2, 4, 2, 2)
-    arrays = _x_arrays(x)
+    arrays, specs = _x_operands(x, m, blocks, view)
     words, scales = pl.pallas_call(
-        functools.partial(_quantize_kernel, levels=levels, interpret=interpret),
+        functools.partial(_quantize_kernel, x_form=_x_form(x), levels=levels, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, 4, 2, 2, 4), jnp.int32),
                    jax.ShapeDtypeStruct((m, blocks, 4, 2), jnp.float32)),
         grid=(m, blocks),
-        in_specs=[WHOLE, *(pl.BlockSpec((None, None, *view), lambda r, j: (r, j, 0, 0, 0, 0, 0, 0))
-                           for _ in arrays)],
+        in_specs=[WHOLE, *specs],
         out_specs=(pl.BlockSpec((None, levels, None, 4, 2, 2, 4), lambda r, j: (r, 0, j, 0, 0, 0, 0)),
                    pl.BlockSpec((None, None, 4, 2), lambda r, j: (r, j, 0, 0))),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="quantize_x",
-    )(jnp.asarray(_CONSTANTS, jnp.uint32), *(a.reshape(m, blocks, *view) for a in arrays))
+    )(jnp.asarray(_CONSTANTS, jnp.uint32), *arrays)
     return words, scales
 
 
-def _natural_quantize_kernel(const_ref, *refs, levels, interpret):
-    """One 256-value block of one row of x in value order: x's refs [8, 2, 4, 4] (its own, or a gated input's gate
-    and up) are the block as (group of 32, half, word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4]
-    its words, byte b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once
+def _natural_quantize_kernel(const_ref, *refs, x_form, levels, interpret):
+    """One 256-value block of one row of x in value order: x's refs (_x_operands; formed by _x_values) give the
+    block [8, 2, 4, 4] as (group of 32, half, word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4] its
+    words, byte b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once
     per half); s_ref [8, 2] the sum of each 16 values (float32, before quantization); ls_ref [levels, 8, 2] each
     level's integer sum over each 16 values. Rounds as _quantize_kernel."""
     *x_refs, q_ref, d_ref, s_ref, ls_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
-    rest = [_x_values(x_refs, (slice(None), slice(None), slice(None), b)) for b in range(4)]  # each [8, 2, 4]
+    rest = [_x_values(x_form, x_refs, (slice(None), slice(None), slice(None), b)) for b in range(4)]  # each [8, 2, 4]
     s_ref[...] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in rest])
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])  # [8, 2]
     amax = jnp.max(amax, axis=-1, keepdims=True)  # [8, 1]
@@ -260,9 +260,9 @@ def _natural_quantize_kernel(const_ref, *refs, levels, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "interpret"))
-def natural_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool = False
+def natural_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """x [M, K] (K a multiple of 256; a GatedInput formed in the kernel) in `levels` int8 levels, words in value
+    """x [M, K] (K a multiple of 256; a deferred x formed in the kernel) in `levels` int8 levels, words in value
     order, for the K-quants:
     (words int32 [M, levels, K / 256, 8, 2, 4], word (g, h, w) holding values 32g + 16h + 4w .. + 3 low byte first;
     scales [M, K / 256, 8, 2], max |x| / 127 of each 32 values, twice; sums [M, K / 256, 8, 2] of each 16 values of
@@ -271,23 +271,23 @@ def natural_words(x: jax.Array | GatedInput, levels: int, *, interpret: bool = F
     m, k = x.shape
     blocks = k // BLOCK
     view = (8, 2)
-    arrays = _x_arrays(x)
+    arrays, specs = _x_operands(x, m, blocks, (*view, 4, 4))
     return pl.pallas_call(
-        functools.partial(_natural_quantize_kernel, levels=levels, interpret=interpret),
+        functools.partial(_natural_quantize_kernel, x_form=_x_form(x), levels=levels, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, *view, 4), jnp.int32),
                    *(jax.ShapeDtypeStruct((m, blocks, *view), jnp.float32) for _ in range(2)),
                    jax.ShapeDtypeStruct((m, levels, blocks, *view), jnp.int32)),
         grid=(m, blocks),
-        in_specs=[WHOLE, *(pl.BlockSpec((None, None, *view, 4, 4), lambda r, j: (r, j, 0, 0, 0, 0)) for _ in arrays)],
+        in_specs=[WHOLE, *specs],
         out_specs=(pl.BlockSpec((None, levels, None, *view, 4), lambda r, j: (r, 0, j, 0, 0, 0)),
                    *(pl.BlockSpec((None, None, *view), lambda r, j: (r, j, 0, 0)) for _ in range(2)),
                    pl.BlockSpec((None, levels, None, *view), lambda r, j: (r, 0, j, 0, 0))),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="quantize_x_natural",
-    )(jnp.asarray(_CONSTANTS, jnp.uint32), *(a.reshape(m, blocks, *view, 4, 4) for a in arrays))
+    )(jnp.asarray(_CONSTANTS, jnp.uint32), *arrays)
 
 
-def quantized_x(x: jax.Array | GatedInput, fmt: Int8Format, levels: int, *, interpret: bool = False
+def quantized_x(x: jax.Array | Deferred, fmt: Int8Format, levels: int, *, interpret: bool = False
                 ) -> tuple[jax.Array, ...]:
     """x [M, K] as the kernel takes it for `fmt`: (words [M, levels, K / 256, *fmt.x_words], scales [M, K / 256,
     *fmt.x_scales], and where the format takes them float sums [M, K / 256, *fmt.x_sums] or level sums [M, levels,
@@ -327,22 +327,23 @@ def _load_step(planes, sl, fmt: Int8Format) -> dict:
 
 def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
-    of tiles * BN rows), K steps split * steps ... of it; o [1, BM, tiles * BN] is that block's output."""
+    of tiles * BN rows), K steps split * steps ... of it; weight i's o [1, BM, tiles * BN] is that block's output."""
     # [layer], constants, per weight its planes (fmt.planes' order) whole, x words [BM, L, blocks, *fmt.x_words],
-    # x scales [BM, blocks, *fmt.x_scales], [x float or level sums (quantized_x)], o [1, BM, tiles * BN]
+    # x scales [BM, blocks, *fmt.x_scales], [x float or level sums (quantized_x)], per weight o [1, BM, tiles * BN]
     refs = list(refs)
     layer = refs.pop(0)[0] if stacked else None
-    const_ref, o_ref = refs.pop(0), refs.pop()
+    const_ref = refs.pop(0)
+    o_refs = [refs.pop() for _ in tile_counts][::-1]
     xs_ref = refs.pop() if fmt.sums else None
     xd_ref, xq_ref = refs.pop(), refs.pop()
     magic = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret)
     block, split = pl.program_id(1), pl.program_id(2)
-    stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref, o_ref=o_ref,
+    stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref,
                                magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, kb=kb,
                                steps=steps, levels=levels, prefetch=prefetch)
     count = len(fmt.planes)
     per_weight_tile(block, tile_counts, lambda i, local: stream(
-        refs[count * i: count * (i + 1)], local * tiles * block_n))
+        refs[count * i: count * (i + 1)], local * tiles * block_n, o_ref=o_refs[i]))
 
 
 def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, split,
@@ -453,18 +454,18 @@ def supported_many(x_shape, ws, stacked: bool) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "levels", "out_dtype", "interpret", "debug"))
-def int8_quant_matmul(x: jax.Array | GatedInput, w: QuantizedTensor, layer: jax.Array | None = None, *,
+def int8_quant_matmul(x: jax.Array | Deferred, w: QuantizedTensor, layer: jax.Array | None = None, *,
                       block_sizes: BlockSizes | None = None, levels: int | None = None, out_dtype=None,
                       interpret: bool = False, debug: bool = False) -> jax.Array:
     """x [M, in] @ W.T (W[layer].T for W stacked over layers, every plane [L, rows, ...], read in place) -> [M, out]
     in out_dtype (default x's), M <= MAX_ROWS, x quantized to `levels` int8 levels (default levels_for(x.dtype));
-    x may be a GatedInput, formed by the quantization kernel."""
+    x may be deferred (luxjax.ops.deferred), formed by the quantization kernel."""
     return int8_quant_matmul_many(x, (w,), layer, block_sizes=block_sizes, levels=levels, out_dtype=out_dtype,
                                   interpret=interpret, debug=debug)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "levels", "out_dtype", "interpret", "debug"))
-def int8_quant_matmul_many(x: jax.Array | GatedInput, ws: tuple[QuantizedTensor, ...],
+def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, ...],
                            layer: jax.Array | None = None, *,
                            block_sizes: BlockSizes | None = None, levels: int | None = None, out_dtype=None,
                            interpret: bool = False, debug: bool = False) -> tuple[jax.Array, ...]:
@@ -512,14 +513,14 @@ def int8_quant_matmul_many(x: jax.Array | GatedInput, ws: tuple[QuantizedTensor,
                                prefetch=bs.prefetches(steps), interpret=interpret)
     x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in x_parts]
     flat_planes = [p for weight_planes in planes for p in weight_planes]
-    y = pl.pallas_call(
+    ys = pl.pallas_call(
         kernel,
-        out_shape=split_out_shape(splits, m, sum(padded), out_dtype),
+        out_shape=tuple(split_out_shape(splits, m, n, out_dtype) for n in padded),
         grid=(1, sum(tile_counts), splits),
         in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
-        out_specs=pl.BlockSpec((1, m, program_rows), lambda i, j, s: (s, 0, j)),
+        out_specs=weight_out_specs(tile_counts, (1, m, program_rows)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"int8_gemv_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
       jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, *x_parts)
-    return weight_outputs(sum_splits(y, out_dtype), padded, ns)
+    return tuple(sum_splits(y, out_dtype)[:, :n] for y, n in zip(ys, ns))

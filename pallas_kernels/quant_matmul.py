@@ -39,7 +39,7 @@ from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from luxjax.ops import backend
 from pallas_kernels import byte_perm
 from pallas_kernels.dense_gemv import (
-    per_weight_tile, split_count, split_out_shape, sum_splits, weight_outputs)
+    per_weight_tile, split_count, split_out_shape, sum_splits, weight_out_specs)
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, in_kernel_order, kernel_magic
 
@@ -120,19 +120,20 @@ def _kernel(*refs, names, tile_counts, stacked, pieces, piece, kb, steps, reduce
     H200's SASS: each thread widens its own x elements, by a shift or a permute and a multiply by 2^16 each), a fifth
     of the loop; for IQ4_XS at two rows float32 x measured slower (twice the bytes of x per weight loaded)."""
     # [layer], constants, per weight its planes [(L,) rows, blocks, *plane] whole, x [BM, blocks, *x block],
-    # [x group sums], o [1, BM, BN]
+    # [x group sums], per weight o [1, BM, BN]
     refs = list(refs)
     layer = refs.pop(0)[0] if stacked else None
-    const_ref, o_ref = refs.pop(0), refs.pop()
+    const_ref = refs.pop(0)
+    o_refs = [refs.pop() for _ in tile_counts][::-1]
     xs_ref = refs.pop() if has_offset else None
     x_ref, plane_refs = refs.pop(), refs
     tile = pl.program_id(1)
     product = functools.partial(
-        _product, names=names, x_ref=x_ref, xs_ref=xs_ref, o_ref=o_ref, layer=layer, split=pl.program_id(2),
+        _product, names=names, x_ref=x_ref, xs_ref=xs_ref, layer=layer, split=pl.program_id(2),
         magic=kernel_magic(const_ref, use_byte_perm=use_byte_perm, interpret=interpret), pieces=pieces,
         piece=piece, kb=kb, steps=steps, reduce=reduce, dot_dtype=dot_dtype, precision=precision)
     per_weight_tile(tile, tile_counts, lambda i, local: product(
-        plane_refs[len(names) * i: len(names) * (i + 1)], local))
+        plane_refs[len(names) * i: len(names) * (i + 1)], local, o_ref=o_refs[i]))
 
 
 def _product(plane_refs, tile, *, names, x_ref, xs_ref, o_ref, layer, split, magic, pieces, piece, kb, steps,
@@ -323,17 +324,17 @@ def _quant_matmul_many(x, ws, layer, *, block_sizes, out_dtype, interpret, debug
     x_specs = [pl.BlockSpec((bs.block_m, *a.shape[1:]), lambda i, j, s, nd=a.ndim: (i,) + (0,) * (nd - 1))
                for a in x_inputs]
     flat_planes = [a for p in planes for a in p.values()]
-    y = pl.pallas_call(
+    ys = pl.pallas_call(
         kernel,
-        out_shape=split_out_shape(splits, mp, sum(padded), out_dtype),
+        out_shape=tuple(split_out_shape(splits, mp, n, out_dtype) for n in padded),
         grid=(mp // bs.block_m, sum(tile_counts), splits),
         in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
-        out_specs=pl.BlockSpec((1, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)),
+        out_specs=weight_out_specs(tile_counts, (1, bs.block_m, bs.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"quant_matmul_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
       jnp.asarray(KERNEL_CONSTANTS, jnp.uint32), *flat_planes, *x_inputs)
-    return weight_outputs(sum_splits(y, out_dtype)[:m], padded, ns)
+    return tuple(sum_splits(y, out_dtype)[:m, :n] for y, n in zip(ys, ns))
 
 
 def quant_matmul_reference(x: jax.Array, w: QuantizedTensor, out_dtype=None) -> jax.Array:

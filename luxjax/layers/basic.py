@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from luxjax.ops.linear import embedding_lookup, linear
+from luxjax.ops.deferred import NormedInput
+from luxjax.ops.linear import LayerSlice, embedding_lookup, linear
 
 
 class MatrixParam(nnx.Param):
@@ -16,9 +17,10 @@ class MatrixParam(nnx.Param):
 
 class KernelParam(nnx.Param):
     """A small per-layer parameter that a decode kernel takes as an operand (the DeltaNet's conv taps and decay
-    constants). Decode's layer scan leaves these stacked too, like MatrixParam, so code reading them takes
-    layer_value: a kernel operand cannot fuse the scan's slice of it, and XLA copied each one out of its stack for
-    every layer and step (an H200 decode profile of the 27B: three ~1.7 us copies per DeltaNet layer)."""
+    constants; the norm weights that the int8 GEMV's quantization reads, ZeroCenteredRMSNorm.deferred). Decode's
+    layer scan leaves these stacked too, like MatrixParam, so code reading them takes layer_value: a kernel operand
+    cannot fuse the scan's slice of it, and XLA copied each one out of its stack for every layer and step (an H200
+    decode profile of the 27B: three ~1.7 us copies per DeltaNet layer)."""
 
 
 class Linear(nnx.Module):
@@ -65,15 +67,23 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 class ZeroCenteredRMSNorm(nnx.Module):
-    """Qwen3.5's RMSNorm: y = norm(x) * (1 + w), in float32, cast back to x's dtype."""
+    """Qwen3.5's RMSNorm: y = norm(x) * (1 + w), in float32, cast back to x's dtype. The weight is a KernelParam:
+    `deferred` hands the norm to a product unformed, whose quantization kernel reads the weight in place."""
 
     def __init__(self, weight, eps: float):
-        self.weight = nnx.Param(weight)
+        self.weight = KernelParam(weight)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight.get_value().astype(jnp.float32)
-        return (rms_normalize(x, self.eps) * (1.0 + w)).astype(x.dtype)
+        return self.deferred(x, x.dtype).value()
+
+    def deferred(self, x: jax.Array, dtype) -> NormedInput:
+        """The norm of x rounded to `dtype`, unformed but for its reduction (luxjax.ops.deferred): linear() and
+        friends form it where they need an array, the int8 GEMV's quantization kernel as it loads x."""
+        x = x.astype(jnp.float32)
+        w = self.weight.get_value()
+        stacked, layer = (w.stacked, w.index) if isinstance(w, LayerSlice) else (w[None], jnp.zeros((), jnp.int32))
+        return NormedInput(x, row_sum(x * x)[..., 0], stacked, layer, jnp.dtype(dtype), self.eps)
 
 
 class GatedRMSNorm(nnx.Module):

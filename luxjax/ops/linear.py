@@ -25,6 +25,7 @@ from jax import lax
 
 from luxjax.checkpoint.quants import QuantizedTensor, Weight, dequantize, dequantize_rows
 from luxjax.ops import backend
+from luxjax.ops.deferred import GatedInput, NormedInput, materialize
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
 _PALLAS_MAX_ROWS = 16  # the streaming GEMV regime of quant_matmul
@@ -103,7 +104,7 @@ def _int8_takes(x_shape, tensors, layer) -> bool:
 
 def _int8_linear(x, w: QuantizedTensor, layer=None, out_dtype=None) -> jax.Array | None:
     """x @ W.T (W[layer].T for a stacked w) by the int8 decode GEMV where the platform runs it natively and it
-    takes the format and rows, else None. x: an array or a quant_gemv_int8.GatedInput."""
+    takes the format and rows, else None. x: an array or a deferred input (luxjax.ops.deferred)."""
     from pallas_kernels import quant_gemv_int8
 
     if not _int8_takes(x.shape, (w,), layer):
@@ -135,7 +136,8 @@ def _packed_linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ..
     if _int8_takes(x.shape, tensors, layer):
         ys = quant_gemv_int8.int8_quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
     elif quant_matmul.supported_many(x.shape, tensors, stacked):
-        ys = quant_matmul.quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
+        ys = quant_matmul.quant_matmul_many(materialize(rows), tensors, layer, out_dtype=out_dtype,
+                                            interpret=interpret)
     else:
         return None
     return tuple(y.reshape(*x.shape[:-1], t.shape[0]) for y, t in zip(ys, tensors))
@@ -208,12 +210,19 @@ def _fused_in_place_linear(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array,
     stacked = tuple(w.stacked for w in ws)
     if not dense_gemv.supported_many(x.shape, [a.shape for a in stacked], [a.dtype for a in stacked]):
         return None
-    ys = dense_gemv.stacked_gemv_many(x.reshape(-1, x.shape[-1]), stacked, ws[0].index, out_dtype=out_dtype,
-                                      interpret=backend.interpret())
+    ys = dense_gemv.stacked_gemv_many(materialize(x).reshape(-1, x.shape[-1]), stacked, ws[0].index,
+                                      out_dtype=out_dtype, interpret=backend.interpret())
     return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
 
-def _impl(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
+def _impl(x, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
+    if isinstance(x, (GatedInput, NormedInput)):  # formed by the int8 GEMV's quantization where it takes w
+        packed = _packed_layer(w)
+        if packed is not None and backend.use_pallas() and x.dtype in _KERNEL_X_DTYPES:
+            y = _int8_linear(x, *packed, out_dtype)
+            if y is not None:
+                return y
+        x = materialize(x)
     if isinstance(w, LayerSlice):
         y = _in_place_linear(x, w, out_dtype)
         if y is not None:
@@ -228,30 +237,19 @@ def _impl(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     return _xla_linear(x, w, out_dtype)
 
 
-def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
+def linear(x, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     """x [..., in] @ W.T for W [out, in] (jnp array, QuantizedTensor or a LayerSlice of either) -> [..., out] in
-    out_dtype (default: x's; float32 keeps the accumulator unrounded, e.g. for logits)."""
+    out_dtype (default: x's; float32 keeps the accumulator unrounded, e.g. for logits). x: an array, or a deferred
+    input (luxjax.ops.deferred), which the int8 GEMV's quantization kernel forms where it takes W and XLA forms
+    elsewhere."""
     return _impl(x, w, out_dtype)
-
-
-def swiglu(gate, up):
-    """silu(gate) * up in float32, rounded to gate's dtype: the MLP's activation (arrays, or a kernel's loads)."""
-    g = gate.astype(jnp.float32)
-    return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 def gated_linear(gate: jax.Array, up: jax.Array, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
     """swiglu(gate, up) @ W.T: an MLP's down projection. Where the int8 GEMV takes W, its x quantization kernel
     forms the activation (XLA's activation fusion was a launch of its own per layer: 64 of ~1.7 us in a 27B decode
     step on an H200); elsewhere XLA forms it and linear() runs the product."""
-    packed = _packed_layer(w)
-    if packed is not None and backend.use_pallas() and gate.dtype in _KERNEL_X_DTYPES:
-        from pallas_kernels.quant_gemv_int8 import GatedInput
-
-        y = _int8_linear(GatedInput(gate, up), *packed, out_dtype)
-        if y is not None:
-            return y
-    return linear(swiglu(gate, up), w, out_dtype)
+    return linear(GatedInput(gate, up), w, out_dtype)
 
 
 _FUSED_ROW_TILE = 32  # weights fused in one launch share a row tile; few-row ones (48) would shrink everyone's
@@ -292,12 +290,13 @@ def split_linear(x: jax.Array, w: Weight | LayerSlice) -> jax.Array:
     return split_linear_many(x, (w,))[0]
 
 
-def split_linear_many(x: jax.Array, ws, low_rows=None) -> tuple[jax.Array, ...]:
-    """(split_linear(x, w) for w in ws), float32 results: prefill-sized products of dense layer slices by the
-    in-place GEMM taking both parts at once (dense_gemm.stacked_gemm's x_lo); the rest through linear_many. Packed
-    weights with few enough rows for the fused kernel's GEMV reduce take x in float32 as it is instead (exact float32
-    products, the weight decoded once): there the two parts would double the kernel's multiply-adds or, as stacked
-    rows, send it to its slower tensor-core regime (4x slower in an H200 decode step).
+def split_linear_many(x, ws, low_rows=None) -> tuple[jax.Array, ...]:
+    """(split_linear(x, w) for w in ws), float32 results (x may be deferred: formed by the GEMVs that take it whole,
+    by XLA for the rest): prefill-sized products of dense layer slices by the in-place GEMM taking both parts at once
+    (dense_gemm.stacked_gemm's x_lo); the rest through linear_many. Packed weights with few enough rows for the fused
+    kernel's GEMV reduce take x in float32 as it is instead (exact float32 products, the weight decoded once): there
+    the two parts would double the kernel's multiply-adds or, as stacked rows, send it to its slower tensor-core
+    regime (4x slower in an H200 decode step).
 
     low_rows (prefill-sized products only): per weight, how many of its leading output rows get the low part's
     product (None: all; 0: none, an ordinary bf16 product of x rounded to bf16): in prefill the low part is a second
@@ -312,7 +311,7 @@ def split_linear_many(x: jax.Array, ws, low_rows=None) -> tuple[jax.Array, ...]:
     for i, y in zip(direct, linear_many(x, [ws[i] for i in direct], jnp.float32)):
         out[i] = y
     rest = [i for i, y in enumerate(out) if y is None]
-    for i, y in zip(rest, _split_products(x, [ws[i] for i in rest], [low_rows[i] for i in rest])):
+    for i, y in zip(rest, _split_products(materialize(x), [ws[i] for i in rest], [low_rows[i] for i in rest])):
         out[i] = y
     return tuple(out)
 

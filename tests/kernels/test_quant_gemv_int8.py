@@ -8,6 +8,7 @@ On CPU the kernels run interpreted; on a GPU compiled (dot4 as DP4A, the codeboo
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from jax.experimental import pallas as pl
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
+from luxjax.ops.deferred import GatedInput, NormedInput
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import quant_gemv_int8 as qi
 from pallas_kernels.dot4 import dot4
@@ -197,18 +199,23 @@ def test_int8_gemv_matches_dequantized_matmul(ggml_type, m, out, k, dtype, seed,
 SWIGLU_EVAL_ERROR = 2.0**-18
 
 
-def swiglu_oracle(gate: np.ndarray, up: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(silu(gate) * up rounded to dtype, per value the most a float32 evaluation may move it by): numpy in
-    float64, then rounded; where the exact value lies within SWIGLU_EVAL_ERROR of a rounding boundary of dtype,
-    either neighbour is right, so the allowance is one step of dtype there."""
-    with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for very negative gate: silu is -0 there
-        exact = gate / (1 + np.exp(-gate)) * up
+def rounding_oracle(exact: np.ndarray, dtype, eval_error: float) -> tuple[np.ndarray, np.ndarray]:
+    """(exact rounded to dtype, per value the most a float32 evaluation within eval_error (relative) of exact may
+    move it by): where exact lies within eval_error of a rounding boundary of dtype, either neighbour is right, so
+    the allowance is one step of dtype there."""
     def as_dtype(v):
         return np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
 
     x = as_dtype(exact)
-    low, high = (as_dtype(exact * (1 + sign * SWIGLU_EVAL_ERROR)) for sign in (-1, 1))
-    return x, np.abs(high - low) + SWIGLU_EVAL_ERROR * np.abs(exact)
+    low, high = (as_dtype(exact * (1 + sign * eval_error)) for sign in (-1, 1))
+    return x, np.abs(high - low) + eval_error * np.abs(exact)
+
+
+def swiglu_oracle(gate: np.ndarray, up: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """silu(gate) * up in float64 by numpy, rounded to dtype (rounding_oracle)."""
+    with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for very negative gate: silu is -0 there
+        exact = gate / (1 + np.exp(-gate)) * up
+    return rounding_oracle(exact, dtype, SWIGLU_EVAL_ERROR)
 
 
 @by_name
@@ -224,7 +231,7 @@ def test_int8_gemv_forms_a_gated_input(ggml_type, m, dtype, seed, interpret):
     gate, up = (np.asarray(jnp.asarray(random_x(rng, m, k, jnp.float32) * 0.5, dtype).astype(jnp.float32), np.float64)
                 for _ in range(2))
     x, x_slack = swiglu_oracle(gate, up, dtype)
-    gated = qi.GatedInput(jnp.asarray(gate, dtype), jnp.asarray(up, dtype))
+    gated = GatedInput(jnp.asarray(gate, dtype), jnp.asarray(up, dtype))
     got = np.asarray(qi.int8_quant_matmul(gated, w, out_dtype=jnp.float32, interpret=interpret), np.float64)
     levels = qi.levels_for(dtype)
     allowed = ((x_error_bound(x, levels) + x_slack) @ np.abs(dense).T + 1e-6 * (np.abs(x) @ np.abs(dense).T))
@@ -260,6 +267,93 @@ def test_gated_linear_forms_the_activation_in_the_int8_gemv(monkeypatch, seed, i
         allowed = (bound + x_slack) @ np.abs(dense).T + rounding * (np.abs(x) @ np.abs(dense).T)
         worst = (np.abs(got - x @ dense.T) / allowed).max()
         assert worst <= 1, f"gated_linear, {rows} rows, seed {seed}: {worst:.3g} x bound"
+
+
+# How far a float32 evaluation of x * rsqrt(sum_sq / K + eps) * (1 + w) may be from the exact value of its float32
+# inputs, relative: a division, an rsqrt (GPUs' are within 2 units in the last place) and two products.
+NORM_EVAL_ERROR = 8 * 2.0**-24
+EPS = 1e-6
+
+
+def random_norm(rng, m: int, k: int, layers: int):
+    """A zero-centred RMS norm's inputs: the residual x [m, k] float32, its row sums of squares [m] (float32 of
+    numpy's float64), and norm weights [layers, k] float32 around zero (some below -1: negative scales)."""
+    x = np.asarray(random_x(rng, m, k, jnp.float32), np.float64)
+    sum_sq = np.asarray((x * x).sum(-1), np.float32).astype(np.float64)
+    weights = np.asarray(rng.standard_normal((layers, k)) * 0.6, np.float32).astype(np.float64)
+    return x, sum_sq, weights
+
+
+@by_name
+@pytest.mark.parametrize("m,dtype", [(1, jnp.float32), (2, jnp.bfloat16), (4, jnp.float32)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_int8_gemv_forms_a_normed_input(ggml_type, m, dtype, seed, interpret):
+    """A NormedInput (an RMS norm's output, unformed, its weight read from a stack at a layer): the quantization
+    kernel forms x * rsqrt(sum_sq / K + eps) * (1 + w) rounded to its dtype, so the product is that times W within
+    x's quantization bound (numpy's norm in float64, gguf's dequantization)."""
+    rng = np.random.default_rng(seed)
+    out, k, layers = 48, 768, 3
+    w, dense = random_weight(rng, ggml_type, out, k)
+    x, sum_sq, weights = random_norm(rng, m, k, layers)
+    layer = int(rng.integers(1, layers))  # not the first: reading the wrong layer must show
+    exact = x / np.sqrt(sum_sq[:, None] / k + EPS) * (1 + weights[layer])
+    normed, slack = rounding_oracle(exact, dtype, NORM_EVAL_ERROR)
+    deferred = NormedInput(jnp.asarray(x, jnp.float32), jnp.asarray(sum_sq, jnp.float32),
+                           jnp.asarray(weights, jnp.float32), jnp.int32(layer), jnp.dtype(dtype), EPS)
+    got = np.asarray(qi.int8_quant_matmul(deferred, w, out_dtype=jnp.float32, interpret=interpret), np.float64)
+    allowed = ((x_error_bound(normed, qi.levels_for(dtype)) + slack) @ np.abs(dense).T
+               + 1e-6 * (np.abs(normed) @ np.abs(dense).T))
+    worst = (np.abs(got - normed @ dense.T) / allowed).max()
+    assert worst <= 1, f"{ggml_type.name} normed x[{m},{k}] {jnp.dtype(dtype).name} seed {seed}: {worst:.3g} x bound"
+
+
+def primitives_outside_kernels(jaxpr) -> set[str]:
+    """The primitives of a jaxpr and of the jaxprs nested in it (jit calls), not looking inside Pallas kernels."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                names |= primitives_outside_kernels(sub)
+    return names
+
+
+def test_linear_many_forms_a_deferred_norm_in_the_int8_gemv(monkeypatch, seed, interpret):
+    """ops.linear.linear_many on a norm handed over unformed (ZeroCenteredRMSNorm.deferred) with a layer slice of its
+    stacked weight: at 1..4 rows the norm's rsqrt and scaling run in the GEMV's quantization kernel (none outside the
+    kernels), past them XLA forms it for the float kernels; both within their bounds of numpy's norm times gguf's
+    dequantization."""
+    from luxjax.layers.basic import ZeroCenteredRMSNorm
+
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    monkeypatch.setattr(backend, "interpret", lambda: interpret)
+    out, k, layers = 32, 512, 2
+    pairs = [[random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)] for _ in range(2)]
+    stacks = [jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in p]) for p in pairs]
+    for rows in (3, 6):
+        x, _, weights = random_norm(rng, rows, k, layers)
+        layer = int(rng.integers(0, layers))
+        index = jnp.int32(layer)
+
+        def project(x):  # the norm's weight as a decode step's layer scan hands it over: a slice of its stack
+            norm = ZeroCenteredRMSNorm(LayerSlice(jnp.asarray(weights, jnp.float32), index), EPS)
+            return linear_mod.linear_many(norm.deferred(x, jnp.bfloat16), [LayerSlice(s, index) for s in stacks],
+                                          jnp.float32)
+
+        jaxpr = jax.make_jaxpr(project)(jnp.asarray(x, jnp.float32))
+        int8 = rows <= qi.MAX_ROWS
+        assert ("name=int8_gemv_iq4_xs" in str(jaxpr)) == int8, f"{rows} rows"
+        assert ("rsqrt" in primitives_outside_kernels(jaxpr.jaxpr)) != int8, f"{rows} rows"
+        got = project(jnp.asarray(x, jnp.float32))
+        exact = x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * (1 + weights[layer])
+        normed, slack = rounding_oracle(exact, jnp.bfloat16, 2.0**-20)  # the float32 mean square too
+        for y, p in zip(got, pairs):
+            dense = p[layer][1]
+            bound, rounding = (x_error_bound(normed, 2), 1e-6) if int8 else (0, 2.0**-8)
+            allowed = (bound + slack) @ np.abs(dense).T + rounding * (np.abs(normed) @ np.abs(dense).T)
+            worst = (np.abs(np.asarray(y, np.float64) - normed @ dense.T) / allowed).max()
+            assert worst <= 1, f"deferred norm, {rows} rows, seed {seed}: {worst:.3g} x bound"
 
 
 @by_name
@@ -309,6 +403,10 @@ def test_int8_gemv_many_weights_in_one_launch(ggml_type, m, dtype, outs, bs, sta
         got = qi.int8_quant_matmul_many(x, tuple(per_layer[layer][0] for per_layer in pairs), block_sizes=bs,
                                         out_dtype=jnp.float32, interpret=interpret)
     assert len(got) == len(outs)
+    if stacked and (bs is None or bs.splits == 1):  # each weight's own array: nothing outside the kernels cuts them
+        jaxpr = jax.make_jaxpr(lambda x, ws: qi.int8_quant_matmul_many(x, ws, jnp.int32(layer), block_sizes=bs,
+                                                                       interpret=interpret))(x, ws)
+        assert "slice" not in primitives_outside_kernels(jaxpr.jaxpr), "outputs sliced out of one array"
     for i, (y, per_layer) in enumerate(zip(got, pairs)):
         check_against_bound(y, x, per_layer[layer][1], qi.levels_for(dtype),
                             f"{ggml_type.name} weight {i} of {outs} ({'stacked' if stacked else 'unstacked'}, "

@@ -46,13 +46,14 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cache, *, cos, sin, start, valid, chunked, dtype, block_aligned=False):
         """x: the float32 residual stream; attention and MLP compute in `dtype`, DeltaNet on float32 activations."""
-        h = self.input_layernorm(x)
+        # the norms go to the projections unformed (luxjax.ops.deferred): the int8 GEMV's quantization forms them
         if self.is_attention:
-            h, cache = self.mixer(h.astype(dtype), cos, sin, cache, start, valid)
+            h, cache = self.mixer(self.input_layernorm.deferred(x, dtype), cos, sin, cache, start, valid)
         else:
-            h, cache = self.mixer(h, cache, start, valid, chunked=chunked, dtype=dtype, block_aligned=block_aligned)
+            h, cache = self.mixer(self.input_layernorm.deferred(x, x.dtype), cache, start, valid, chunked=chunked,
+                                  dtype=dtype, block_aligned=block_aligned)
         x = x + h.astype(jnp.float32)
-        return x + self.mlp(self.post_attention_layernorm(x).astype(dtype)).astype(jnp.float32), cache
+        return x + self.mlp(self.post_attention_layernorm.deferred(x, dtype)).astype(jnp.float32), cache
 
 
 class _Scoped:

@@ -185,9 +185,9 @@ def iq4_words(q: jax.Array) -> jax.Array:
 def _quantize_kernel(const_ref, *refs, x_form, levels, interpret):
     """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x's refs (_x_operands; formed by
     _x_values) give the block [4, 2, 2, 4, 2, 2] as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp + 16*hi + 4*w + 2*h +
-    b); q_ref [levels, 4, 2, 2, 4] its words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the
-    scales of its sub-blocks (g2, gp). Rounds by adding and subtracting 1.5 * 2^23 (to nearest, ties to even:
-    jnp.round's rule) with the constant loaded at run time."""
+    b); q_ref [levels, 4, 2, 2, 4] its words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the scales of its
+    sub-blocks (g2, gp). Rounds by adding and subtracting 1.5 * 2^23 (to nearest, ties to even: jnp.round's rule)
+    with the constant loaded at run time."""
     *x_refs, q_ref, d_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     bytes_at = list(itertools.product(range(2), range(2), range(2)))  # (hi, h, b)

@@ -63,7 +63,7 @@ def row_sum(x: jax.Array) -> jax.Array:
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps), computed in float32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(row_sum(x * x) / x.shape[-1] + eps)
+    return x * NormedInput.inverse_rms(row_sum(x * x), x.shape[-1], eps)
 
 
 class ZeroCenteredRMSNorm(nnx.Module):

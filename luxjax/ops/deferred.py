@@ -41,9 +41,6 @@ class GatedInput:
     def reshape(self, *shape) -> GatedInput:
         return GatedInput(self.gate.reshape(*shape), self.up.reshape(*shape))
 
-    def astype(self, dtype):
-        return self if jnp.dtype(dtype) == self.dtype else self.value().astype(dtype)
-
     form = staticmethod(swiglu)
 
     def value(self) -> jax.Array:
@@ -101,4 +98,4 @@ Deferred = GatedInput | NormedInput
 
 def materialize(x):
     """x formed: an array as it is, a deferred input's value."""
-    return x.value() if isinstance(x, (GatedInput, NormedInput)) else x
+    return x.value() if isinstance(x, Deferred) else x

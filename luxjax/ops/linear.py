@@ -25,7 +25,7 @@ from jax import lax
 
 from luxjax.checkpoint.quants import QuantizedTensor, Weight, dequantize, dequantize_rows
 from luxjax.ops import backend
-from luxjax.ops.deferred import GatedInput, NormedInput, materialize
+from luxjax.ops.deferred import Deferred, GatedInput, materialize
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
 _PALLAS_MAX_ROWS = 16  # the streaming GEMV regime of quant_matmul
@@ -216,7 +216,7 @@ def _fused_in_place_linear(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array,
 
 
 def _impl(x, w: Weight | LayerSlice, out_dtype=None) -> jax.Array:
-    if isinstance(x, (GatedInput, NormedInput)):  # formed by the int8 GEMV's quantization where it takes w
+    if isinstance(x, Deferred):  # formed by the int8 GEMV's quantization where it takes w
         packed = _packed_layer(w)
         if packed is not None and backend.use_pallas() and x.dtype in _KERNEL_X_DTYPES:
             y = _int8_linear(x, *packed, out_dtype)

@@ -8,6 +8,7 @@ an H200) stay there between iterations: the smallest decode cases measure L2, no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -19,18 +20,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import dense_gemm, gated_delta
-from pallas_kernels import prefill_attention as prefill
-from pallas_kernels import vision_attention as vision
-
-from luxjax.ops.attention import xla_block_diagonal_attention, xla_cached_attention
-from luxjax.ops.delta_rule import chunk_gated_delta_rule, chunk_inputs, recurrent_gated_delta_rule
-from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent
-from pallas_kernels.prefill_attention import prefill_attention
-from pallas_kernels.vision_attention import vision_attention
-
+# the repository root, for running this file as a script from anywhere
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels import dense_gemm, gated_delta  # noqa: E402
+from pallas_kernels import prefill_attention as prefill  # noqa: E402
+from pallas_kernels import vision_attention as vision  # noqa: E402
+
+from luxjax.ops.attention import xla_block_diagonal_attention, xla_cached_attention  # noqa: E402
+from luxjax.ops.delta_rule import chunk_gated_delta_rule, chunk_inputs, recurrent_gated_delta_rule  # noqa: E402
+from pallas_kernels.decode_attention import (  # noqa: E402
+    BlockSizes, decode_attention, gated_decode_attention, gated_decode_attention_reference)
+from pallas_kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent  # noqa: E402
+from pallas_kernels.prefill_attention import prefill_attention  # noqa: E402
+from pallas_kernels.vision_attention import vision_attention  # noqa: E402
+
 from benchmarks.timing import call_kernels_ms  # noqa: E402
 
 HBM_TBS, BF16_TFLOPS = 4.1, 790.0
@@ -78,6 +82,51 @@ def decode_cases(rng):
             yield dict(kernel="decode attention", shape=f"B={B} valid={valid} (cache {S_alloc})", pallas_us=t_pl * 1e6,
                        xla_us=t_xla * 1e6, xla_tight_cache_us=t_xla_tight * 1e6, metric=f"{gbs:.0f} GB/s",
                        of_peak=gbs / (HBM_TBS * 1e3))
+
+
+def donated_cache_ms(op, caches, *args) -> float:
+    """GPU ms of one call of op(*args, k_cache, v_cache) -> (out, k_cache, v_cache), the caches donated and fed back
+    (undonated, every call would first copy the whole caches it writes a row of)."""
+    step = jax.jit(lambda k_cache, v_cache, *rest: op(*rest, k_cache, v_cache), donate_argnums=(0, 1))
+    state = {"caches": tuple(jnp.copy(c) for c in caches)}
+
+    def call():
+        out, *state["caches"] = step(*state["caches"], *args)
+        return out
+
+    return call_kernels_ms(call)
+
+
+def gated_decode_cases(rng, sweep: bool = False):
+    """A gated attention layer's decode token (norms, rotary, cache writes, attention, gate) at the 27B's shapes:
+    the three kernels of gated_decode_attention against the XLA ops (its reference), GPU kernel time of one call
+    (all its launches, the caches donated); with sweep, other split counts of the attention kernel."""
+    S_alloc, rd, L = 8192, 64, 2
+    for B in (1, 4):
+        for valid in (1024, 4096):
+            q_gate = normal(rng, (B, HQ, 2 * D))
+            k_new, v_new = normal(rng, (B, HKV, D)), normal(rng, (B, HKV, D))
+            norms = [normal(rng, (L, D), jnp.float32) for _ in range(2)]
+            angles = rng.uniform(-30, 30, (B, rd // 2))
+            cos, sin = (jnp.asarray(f(np.concatenate([angles, angles], -1)), jnp.float32) for f in (np.cos, np.sin))
+            caches = [normal(rng, (L, B, S_alloc, HKV, D)) for _ in range(2)]
+            start, active = jnp.full((B,), valid - 1, jnp.int32), jnp.ones((B,), bool)
+            kw = dict(rotary_dim=rd, scale=D**-0.5, eps=1e-6)
+
+            def op(fn):
+                return lambda q_gate, k, v, qn, kn, cos, sin, kc, vc: fn(
+                    q_gate, k, v, qn, kn, jnp.int32(1), cos, sin, kc, vc, jnp.int32(1), start, active, **kw)
+
+            args = (q_gate, k_new, v_new, *norms, cos, sin)
+            xla_ms = donated_cache_ms(op(gated_decode_attention_reference), caches, *args)
+            default = BlockSizes.get_default(B, HKV, S_alloc, D)
+            for splits in sorted({default.num_splits, *((8, 16, 32, 64) if sweep else ())}):
+                bs = dataclasses.replace(default, num_splits=splits)
+                ms = donated_cache_ms(op(functools.partial(gated_decode_attention, block_sizes=bs)), caches, *args)
+                gbs = 2 * B * valid * HKV * D * 2 / (ms / 1e3) / 1e9
+                yield dict(kernel="gated decode attention" + (" (default)" if splits == default.num_splits else ""),
+                           shape=f"B={B} valid={valid} (cache {S_alloc}) splits={splits}", pallas_us=ms * 1e3,
+                           xla_us=xla_ms * 1e3, metric=f"{gbs:.0f} GB/s", of_peak=gbs / (HBM_TBS * 1e3))
 
 
 def prefill_cases(rng):
@@ -239,14 +288,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time alternative BlockSizes")
-    parser.add_argument("--only", help="comma-separated groups to run: decode, prefill, gemm, vision, deltanet, sweep")
+    parser.add_argument("--only", help="comma-separated groups to run: decode, gated_decode, prefill, gemm, vision, "
+                        "deltanet, sweep")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     print("| kernel | shape | Pallas us | XLA us | speed-up | achieved | of peak |\n|---|---|---|---|---|---|---|")
     gemm = functools.partial(gemm_cases, sweep=args.sweep)
     gemm.__name__ = "gemm_cases"
-    groups = (decode_cases, prefill_cases, gemm, vision_cases, deltanet_cases) + ((sweep_cases,) if args.sweep else ())
+    gated = functools.partial(gated_decode_cases, sweep=args.sweep)
+    gated.__name__ = "gated_decode_cases"
+    groups = ((decode_cases, gated, prefill_cases, gemm, vision_cases, deltanet_cases)
+              + ((sweep_cases,) if args.sweep else ()))
     if args.only:
         groups = [g for g in groups if g.__name__.removesuffix("_cases") in args.only.split(",")]
     for cases in groups:

@@ -28,6 +28,9 @@ from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
 from benchmarks.timing import gpu_idle_us, gpu_kernel_spans, gpu_kernel_times  # noqa: E402
 
 
+SEQUENCE_LIMIT = 4000  # kernels of a phase's first call kept in order in the JSON report
+
+
 def profile_phase(name: str, fn, calls: int) -> dict:
     """Compile and warm `fn` (which blocks until its device work is done), then trace `calls` calls."""
     fn()
@@ -49,8 +52,11 @@ def profile_phase(name: str, fn, calls: int) -> dict:
     print("| kernel | launches | ms | share |\n|---|---|---|---|")
     for k, (n, us) in top[:25]:
         print(f"| {k[:90]} | {n:.0f} | {us / 1e3:.3f} | {100 * us / 1e3 / max(gpu_ms, 1e-9):.1f}% |")
+    first_call = sorted(spans, key=lambda span: span[1])[: len(spans) // calls]
     return {"wall_ms": 1e3 * wall, "gpu_ms": gpu_ms, "gpu_idle_ms": idle_us / 1e3 / calls,
-            "kernels": [{"name": k, "launches": n, "ms": us / 1e3} for k, (n, us) in top]}
+            "kernels": [{"name": k, "launches": n, "ms": us / 1e3} for k, (n, us) in top],
+            # the first call's kernels in launch order (name, us): which small launches sit around which kernel
+            "sequence": [(name, round(us, 2)) for name, _, us in first_call[:SEQUENCE_LIMIT]]}
 
 
 def main():

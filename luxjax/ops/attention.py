@@ -59,6 +59,35 @@ def xla_cached_attention(q, k_cache, v_cache, start, *, scale: float):
     return out.reshape(B, T, Hq, D).astype(q.dtype)
 
 
+def gated_decode_fused(k_cache, v_cache, heads: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether gated_decode_attention takes a decode token: the caches as LayerSlices of their stacks, the Pallas
+    kernels chosen, a power-of-two head dim, rotary halves of a power-of-two width, whole q head groups."""
+    half = rotary_dim // 2
+    return (isinstance(k_cache, LayerSlice) and isinstance(v_cache, LayerSlice) and backend.use_pallas()
+            and _pow2_head_dim(head_dim) and 0 < half and half & (half - 1) == 0 and rotary_dim <= head_dim
+            and heads % k_cache.stacked.shape[-2] == 0)
+
+
+def gated_decode_attention(q_gate, k, v, q_norm, k_norm, cos, sin, k_cache: LayerSlice, v_cache: LayerSlice, start,
+                           active, *, scale: float, eps: float):
+    """A gated attention layer's decode token (pallas_kernels.decode_attention.gated_decode_attention, where
+    gated_decode_fused says so): q_gate [B, Hq, 2D] (per head the query, then the output gate), k, v [B, Hkv, D];
+    q_norm, k_norm: the zero-centred RMS norms' weights [D], or LayerSlices of their stacks (read there); cos, sin
+    [B, rotary_dim]; the caches' layer gets the token's k and v at row start[b] for the active [B] sequences.
+    Returns (out [B, Hq, D] = attention * sigmoid(gate), k_cache, v_cache as LayerSlices of the new stacks)."""
+    from pallas_kernels.decode_attention import gated_decode_attention as kernel
+
+    norms = (q_norm, k_norm)
+    if all(isinstance(w, LayerSlice) for w in norms) and q_norm.index is k_norm.index:
+        stacks, param_layer = [w.stacked for w in norms], q_norm.index
+    else:
+        stacks, param_layer = [layer_value(w)[None] for w in norms], jnp.zeros((), jnp.int32)
+    out, ks, vs = kernel(q_gate, k, v, *stacks, param_layer, cos, sin, k_cache.stacked, v_cache.stacked,
+                         k_cache.index, start, active, rotary_dim=cos.shape[-1], scale=scale, eps=eps,
+                         interpret=backend.interpret())
+    return out, LayerSlice(ks, k_cache.index), LayerSlice(vs, v_cache.index)
+
+
 def write_kv(cache, new, start, valid):
     """cache [B, S, H, D] <- new [B, T, H, D] at rows start[b] .. start[b]+T-1 of each sequence, for the tokens
     with valid [B, T] set. Invalid tokens (chunk padding, idle slots) and rows past the end are dropped. A LayerSlice

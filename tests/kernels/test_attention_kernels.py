@@ -50,6 +50,45 @@ def test_decode_attention_reads_a_layer_of_stacked_caches(seed, interpret, dtype
     assert err < TOL[dtype], f"layer {layer} of {L}, {dtype.__name__}: rel err {err:.2e}, seed {seed}"
 
 
+# (q heads, kv heads, head dim, rotary dim): three q heads a kv head (not a power of two), a rotary part as wide as
+# the head (no unrotated columns), a quarter-width rotary part as in Qwen3.5 (its 27B: 24, 4, 256, 64).
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,rd,splits", [(6, 2, 64, 16, 3), (4, 4, 32, 32, None), (8, 2, 128, 32, 2)])
+def test_gated_decode_attention_matches_the_xla_ops(seed, interpret, dtype, hq, hkv, d, rd, splits):
+    """The three-kernel decode token of a gated attention layer (q/k norms, rotary, the cache rows written in place,
+    attention, the sigmoid gate) against the XLA ops in that order: the output, and the whole cache stacks (the token's
+    k and v in its layer and row, nothing else moved: one sequence idle, one at the cache's last row)."""
+    rng = np.random.default_rng(seed)
+    L, B, S = 3, 3, 37
+    q_gate = _normal(rng, (B, hq, 2 * d), dtype)
+    k, v = _normal(rng, (B, hkv, d), dtype), _normal(rng, (B, hkv, d), dtype)
+    q_norm, k_norm = (jnp.asarray(0.3 * rng.standard_normal((L, d)), jnp.float32) for _ in range(2))
+    angles = rng.uniform(-30, 30, (B, rd // 2))
+    cos, sin = (jnp.asarray(f(np.concatenate([angles, angles], axis=-1)), jnp.float32) for f in (np.cos, np.sin))
+    k_cache, v_cache = _normal(rng, (L, B, S, hkv, d), dtype), _normal(rng, (L, B, S, hkv, d), dtype)
+    start = jnp.asarray([rng.integers(0, S - 1), rng.integers(0, S - 1), S - 1], jnp.int32)
+    active = jnp.asarray([True, False, True])
+    layer = int(rng.integers(0, L))
+    layer, param_layer = jnp.int32(layer), jnp.int32((layer + rng.integers(1, L)) % L)  # two different layers
+    args = (q_gate, k, v, q_norm, k_norm, param_layer, cos, sin, k_cache, v_cache, layer, start, active)
+    kw = dict(rotary_dim=rd, scale=d**-0.5, eps=1e-6)
+    blocks = da.BlockSizes(block_k=16, num_splits=splits)
+    out, k_got, v_got = da.gated_decode_attention(*args, **kw, block_sizes=blocks, interpret=interpret)
+    ref, k_want, v_want = da.gated_decode_attention_reference(*args, **kw)
+    where = f"{hq=} {hkv=} {d=} {rd=} {dtype.__name__}, layer {int(layer)}, seed {seed}"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"{where}: output rel err {err:.2e}"
+    # the rotated k: one rounding of float32 values apart at most (each a few units: 1/16 is one bf16 step at 8)
+    atol = {jnp.float32: 1e-5, jnp.bfloat16: 0.07}[dtype]
+    for name, got, want in (("k", k_got, k_want), ("v", v_got, v_want)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=atol,
+                                   err_msg=f"{where}: {name} cache")
+    untouched = np.ones((L, B, S), bool)
+    untouched[int(layer), [0, 2], np.asarray(start)[[0, 2]]] = False
+    for name, got, before in (("k", k_got, k_cache), ("v", v_got, v_cache)):
+        assert np.array_equal(np.asarray(got)[untouched], np.asarray(before)[untouched]), f"{where}: {name} rows moved"
+
+
 def test_write_kv_into_a_layer_of_stacked_caches(seed):
     """write_kv on a LayerSlice writes each valid token's row into that layer of the stack and nothing else (invalid
     tokens and rows past the end dropped), against a plain loop."""

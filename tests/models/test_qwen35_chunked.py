@@ -349,8 +349,9 @@ IN_PLACE_RTOL = {"xla": 1e-6, "pallas": 2e-5}
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
 def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_seed, kernels, monkeypatch):
     """Decode steps whose layers get LayerSlices of the stacked caches (rows scattered into the stacks, the KV rows
-    read where they lie; with `kernels` pallas, interpreted: the decode attention kernel, the DeltaNet's token-inputs
-    kernel writing its conv window and pending row, its state step) leave the same caches
+    read where they lie; with `kernels` pallas, interpreted: the gated decode attention kernels norming, rotating and
+    writing the token's k and v, the DeltaNet's token-inputs kernel writing its conv window and pending row, its
+    state step) leave the same caches
     and logits as steps on the layers' slices: random cache contents, one sequence completing a 64-token DeltaNet
     block (its boundary moves) beside an idle one, then both active. The fixture's layers stack two deep, so a
     kernel reading the wrong layer shows."""
@@ -361,15 +362,16 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
 
     from luxjax.ops import backend as ops_backend
 
-    from pallas_kernels import gated_delta
+    from pallas_kernels import decode_attention, gated_delta
 
-    traced = []  # the DeltaNet decode kernels traced (the token's inputs, the state's step)
+    traced = []  # the decode kernels traced (the DeltaNet token's inputs and state step, the gated attention)
     monkeypatch.setattr(ops_backend, "use_pallas", lambda: kernels == "pallas")  # "xla" on a GPU too
     if kernels == "pallas":
         monkeypatch.setattr(ops_backend, "interpret", lambda: True)
-        for name in ("gated_delta_decode_inputs", "gated_delta_decode_step"):
-            real = getattr(gated_delta, name)
-            monkeypatch.setattr(gated_delta, name, lambda *a, _real=real, _name=name, **k: traced.append(_name)
+        for module, name in ((gated_delta, "gated_delta_decode_inputs"), (gated_delta, "gated_delta_decode_step"),
+                             (decode_attention, "gated_decode_attention")):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: traced.append(_name)
                                 or _real(*a, **k))
     jax.clear_caches()  # the kernel choice is made at trace time
     backend = fixture_model_f32.backend
@@ -411,6 +413,6 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
              for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(place_caches))]
     assert all(moved), f"{where}: some cache arrays were never written"
     if kernels == "pallas":
-        assert {"gated_delta_decode_inputs", "gated_delta_decode_step"} <= set(traced), traced
+        assert {"gated_delta_decode_inputs", "gated_delta_decode_step", "gated_decode_attention"} <= set(traced), traced
     print(f"{where}, {kernels} kernels: in-place and sliced caches agree within {worst:.3g} of their largest values")
     jax.clear_caches()  # no later test may reuse a step traced with the patched choice

@@ -10,7 +10,7 @@ from flax import nnx
 from luxjax.layers.basic import Linear, ZeroCenteredRMSNorm
 from luxjax.layers.rope import apply_rotary
 from luxjax.models.qwen35.config import TextConfig
-from luxjax.ops.attention import cached_attention, write_kv
+from luxjax.ops.attention import cached_attention, gated_decode_attention, gated_decode_fused, write_kv
 from luxjax.ops.linear import linear_many
 
 
@@ -36,6 +36,8 @@ class GatedAttention(nnx.Module):
         valid [B, T]: tokens whose keys/values are written (padding and idle slots leave the cache alone)."""
         B, T, _ = x.shape
         q_gate, k, v = linear_many(x, [p.weight.get_value() for p in (self.q_proj, self.k_proj, self.v_proj)])
+        if T == 1 and gated_decode_fused(cache.k, cache.v, self.heads, self.head_dim, cos.shape[-1]):
+            return self._decode_fused(q_gate, k, v, cos, sin, cache, start, valid)
         q_gate = q_gate.reshape(B, T, self.heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         q = self.q_norm(q)
@@ -47,6 +49,17 @@ class GatedAttention(nnx.Module):
         out = cached_attention(q, cache.k, cache.v, start, scale=self.head_dim**-0.5)
         out = out.reshape(B, T, self.heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out), cache
+
+    def _decode_fused(self, q_gate, k, v, cos, sin, cache: KVCache, start, valid) -> tuple[jax.Array, KVCache]:
+        """One token per sequence, the caches LayerSlices of their stacks: the norms, rotary, cache writes, attention
+        and gate above in three kernel launches (luxjax.ops.attention.gated_decode_attention)."""
+        B = q_gate.shape[0]
+        out, k_cache, v_cache = gated_decode_attention(
+            q_gate.reshape(B, self.heads, 2 * self.head_dim), k.reshape(B, self.kv_heads, self.head_dim),
+            v.reshape(B, self.kv_heads, self.head_dim), self.q_norm.weight.get_value(),
+            self.k_norm.weight.get_value(), cos[:, 0], sin[:, 0], cache.k, cache.v, start, valid[:, 0],
+            scale=self.head_dim**-0.5, eps=self.q_norm.eps)
+        return self.o_proj(out.reshape(B, 1, self.heads * self.head_dim)), KVCache(k_cache, v_cache)
 
 
 def empty_kv_cache(cfg: TextConfig, batch: int, max_len: int, dtype) -> KVCache:

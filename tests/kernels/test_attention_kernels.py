@@ -89,6 +89,28 @@ def test_gated_decode_attention_matches_the_xla_ops(seed, interpret, dtype, hq, 
         assert np.array_equal(np.asarray(got)[untouched], np.asarray(before)[untouched]), f"{where}: {name} rows moved"
 
 
+def test_gated_decode_fused_declines_what_its_kernels_cannot_take(monkeypatch):
+    """The fused decode path is chosen only for stacked caches with the Pallas kernels on, a power-of-two head dim,
+    rotary halves of a power-of-two width within the head and whole q head groups; anything else keeps the XLA ops."""
+    from luxjax.ops import attention, backend
+    from luxjax.ops.linear import LayerSlice
+
+    def caches(kv_heads, d):
+        stack = LayerSlice(jnp.zeros((2, 1, 8, kv_heads, d)), jnp.int32(0))
+        return stack, stack
+
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    assert attention.gated_decode_fused(*caches(4, 256), 24, 256, 64)  # Qwen3.5-27B
+    assert attention.gated_decode_fused(*caches(2, 64), 4, 64, 64)  # rotary over the whole head
+    declined = {"head dim 96": (caches(2, 96), 4, 96, 32), "rotary halves of 12": (caches(2, 64), 4, 64, 24),
+                "rotary wider than the head": (caches(2, 64), 4, 64, 128), "5 q heads on 2": (caches(2, 64), 5, 64, 16),
+                "caches as arrays": ((jnp.zeros((1, 8, 2, 64)),) * 2, 4, 64, 16)}
+    for why, (kv, heads, d, rd) in declined.items():
+        assert not attention.gated_decode_fused(*kv, heads, d, rd), why
+    monkeypatch.setattr(backend, "use_pallas", lambda: False)
+    assert not attention.gated_decode_fused(*caches(4, 256), 24, 256, 64), "the XLA path chosen"
+
+
 def test_write_kv_into_a_layer_of_stacked_caches(seed):
     """write_kv on a LayerSlice writes each valid token's row into that layer of the stack and nothing else (invalid
     tokens and rows past the end dropped), against a plain loop."""

@@ -162,17 +162,18 @@ def _normed_rotated(load, weight, cos, sin, *, width: int, rotary_dim: int, eps:
     leading rotary_dim columns (layers.rope.apply_rotary's rotate_half pairing, in dtype arithmetic):
     (the normed row [width], the rotated halves [rotary_dim / 2] each). load / weight / cos / sin: a column range
     (pl.ds) -> that part of the row, of the norm weight, of cos and sin."""
-    x = load(pl.ds(0, width)).astype(jnp.float32)
+    whole = pl.ds(0, width)
+    x = load(whole).astype(jnp.float32)
     inv_rms = NormedInput.inverse_rms(jnp.sum(x * x), width, eps)
 
-    def normed(cols):
-        return NormedInput.form(load(cols), inv_rms, weight(cols), dtype)
+    def normed(values, cols):
+        return NormedInput.form(values, inv_rms, weight(cols), dtype)
 
     half = rotary_dim // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    x1, x2 = normed(lo), normed(hi)
+    x1, x2 = normed(load(lo), lo), normed(load(hi), hi)  # loaded again: Triton lowers no slicing of a loaded row
     c1, c2, s1, s2 = (f(cols).astype(dtype) for f in (cos, sin) for cols in (lo, hi))
-    return normed(pl.ds(0, width)), x1 * c1 + (-x2) * s1, x2 * c2 + x1 * s2
+    return normed(x, whole), x1 * c1 + (-x2) * s1, x2 * c2 + x1 * s2
 
 
 def _store_rotated(ref, at: tuple, parts, *, rotary_dim: int, where=None):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from luxjax.ops.deferred import NormedInput
-from luxjax.ops.linear import LayerSlice, embedding_lookup, linear
+from luxjax.ops.linear import embedding_lookup, layer_stacks, linear
 
 
 class MatrixParam(nnx.Param):
@@ -81,8 +81,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
         """The norm of x rounded to `dtype`, unformed but for its reduction (luxjax.ops.deferred): linear() and
         friends form it where they need an array, the int8 GEMV's quantization kernel as it loads x."""
         x = x.astype(jnp.float32)
-        w = self.weight.get_value()
-        stacked, layer = (w.stacked, w.index) if isinstance(w, LayerSlice) else (w[None], jnp.zeros((), jnp.int32))
+        (stacked,), layer = layer_stacks((self.weight.get_value(),))
         return NormedInput(x, row_sum(x * x)[..., 0], stacked, layer, jnp.dtype(dtype), self.eps)
 
 

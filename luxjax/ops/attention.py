@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from luxjax.ops import backend
-from luxjax.ops.linear import LayerSlice, layer_value
+from luxjax.ops.linear import LayerSlice, layer_stacks, layer_value
 
 
 def _pow2_head_dim(d: int) -> bool:
@@ -77,11 +77,7 @@ def gated_decode_attention(q_gate, k, v, q_norm, k_norm, cos, sin, k_cache: Laye
     Returns (out [B, Hq, D] = attention * sigmoid(gate), k_cache, v_cache as LayerSlices of the new stacks)."""
     from pallas_kernels.decode_attention import gated_decode_attention as kernel
 
-    norms = (q_norm, k_norm)
-    if all(isinstance(w, LayerSlice) for w in norms) and q_norm.index is k_norm.index:
-        stacks, param_layer = [w.stacked for w in norms], q_norm.index
-    else:
-        stacks, param_layer = [layer_value(w)[None] for w in norms], jnp.zeros((), jnp.int32)
+    stacks, param_layer = layer_stacks((q_norm, k_norm))
     out, ks, vs = kernel(q_gate, k, v, *stacks, param_layer, cos, sin, k_cache.stacked, v_cache.stacked,
                          k_cache.index, start, active, rotary_dim=cos.shape[-1], scale=scale, eps=eps,
                          interpret=backend.interpret())

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from luxjax.ops import backend
-from luxjax.ops.linear import LayerSlice, layer_value
+from luxjax.ops.linear import LayerSlice, layer_stacks, layer_value
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -238,11 +238,7 @@ def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, conv: Laye
     conv, pending)."""
     from pallas_kernels.gated_delta import gated_delta_decode_inputs as kernel
 
-    params = (conv_weight, a_log, dt_bias)
-    if all(isinstance(p, LayerSlice) and p.index is conv_weight.index for p in params):  # one layer of the stacks
-        stacks, param_layer = [p.stacked for p in params], conv_weight.index
-    else:
-        stacks, param_layer = [layer_value(p)[None] for p in params], jnp.zeros((), jnp.int32)
+    stacks, param_layer = layer_stacks((conv_weight, a_log, dt_bias))
     tokens, convs, rows = kernel(qkv, b, a, *stacks, param_layer, conv.stacked, pending.stacked, conv.index, active,
                                  row, k_heads=k_heads, eps=eps, interpret=backend.interpret())
     return tokens, LayerSlice(convs, conv.index), LayerSlice(rows, pending.index)

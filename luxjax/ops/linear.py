@@ -64,6 +64,15 @@ def layer_value(x):
     return x.take() if isinstance(x, LayerSlice) else x
 
 
+def layer_stacks(params) -> tuple[list, jax.Array]:
+    """(stacks, layer) of a layer's parameters for a kernel that reads them where they lie: LayerSlices at one
+    index give their stacks and that index; anything else (arrays, or slices at different indices) their values as
+    one-layer stacks, at layer 0."""
+    if all(isinstance(p, LayerSlice) for p in params) and all(p.index is params[0].index for p in params):
+        return [p.stacked for p in params], params[0].index
+    return [layer_value(p)[None] for p in params], jnp.zeros((), jnp.int32)
+
+
 def vendor_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., in] @ w.T for a dense w [out, in] by XLA's dot (cuBLAS on a GPU): float32 accumulation, one rounding
     to out_dtype (default x's). On a GPU a 16-bit result is asked of the GEMM itself: cuBLAS rounds its float32

@@ -241,7 +241,7 @@ def int8_sweep(deadline: float, key, first_sweep: bool = True, formats=("IQ4_XS"
             for case_i, (m, dtype) in enumerate(INT8_CASES):
                 x = jax.random.normal(key, (m, k), dtype)
                 first = fmt_i == shape_i == case_i == 0 and first_sweep and not defaults_only
-                default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256)
+                default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
                 variants = [("float reduce", qm._stacked_block_sizes(T[fmt], m, out))]
                 tiles = (int8_candidates() if first else [default] if fmt_i or defaults_only
                          else dict.fromkeys([default, *ranked[:3], *INT8_EXTRA]))
@@ -359,6 +359,40 @@ def split_sweep(deadline: float, key) -> list[dict]:
     return rows
 
 
+# The int8 GEMV's planes loaded a K step ahead in registers: all of them (prefetch=True), none (False), or only the
+# small ones ("small": scales and minima, a few bytes a thread; the qs/ql planes loaded in their step), against the
+# default tiles, on a 27B decode step's products at 1 and 4 rows: (format, out, in, rows, x dtype); 34,816 rows stand
+# for the MLP's gate + up launch, 16,384 for the DeltaNet's four projections, 14,336 for attention's q, k and v.
+AHEAD_CASES = [("IQ4_XS", 34816, 5120, 1, jnp.bfloat16), ("IQ4_XS", 34816, 5120, 4, jnp.bfloat16),
+               ("IQ4_XS", 5120, 17408, 4, jnp.bfloat16), ("IQ4_XS", 16384, 5120, 4, jnp.float32),
+               ("IQ4_XS", 14336, 5120, 4, jnp.bfloat16), ("IQ4_XS", 5120, 6144, 4, jnp.float32),
+               ("Q4_K", 34816, 5120, 1, jnp.bfloat16), ("Q4_K", 34816, 5120, 4, jnp.bfloat16),
+               ("Q4_K", 16384, 5120, 1, jnp.float32), ("Q4_K", 5120, 17408, 1, jnp.bfloat16),
+               ("Q4_K", 5120, 17408, 4, jnp.bfloat16), ("Q6_K", 5120, 17408, 1, jnp.bfloat16),
+               ("Q6_K", 5120, 17408, 4, jnp.bfloat16), ("Q6_K", 34816, 5120, 4, jnp.bfloat16),
+               ("Q5_K", 5120, 17408, 1, jnp.bfloat16), ("Q5_K", 5120, 17408, 4, jnp.bfloat16)]
+AHEAD_VARIANTS = (None, "small", True, False)
+
+
+def ahead_sweep(deadline: float, key) -> list[dict]:
+    """Each AHEAD_CASE at the default tiles with each AHEAD_VARIANT of their prefetch (the default's own choice
+    first): the GEMV kernel's median launch from a trace of the layer scan."""
+    rows = []
+    for fmt, out, k, m, dtype in AHEAD_CASES:
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        x = jax.random.normal(key, (m, k), dtype)
+        default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
+        for prefetch in AHEAD_VARIANTS:
+            bs = default if prefetch is None else dataclasses.replace(default, prefetch=prefetch)
+            if time.time() > deadline or (prefetch is not None and prefetch == default.prefetch):
+                continue
+            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, ahead=str(bs.prefetch))
+            if row is not None:
+                rows.append(row)
+        del stacked
+    return rows
+
+
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
     """The products of one input as separate launches (each quantizing x) and as one int8_quant_matmul_many launch,
     in a scan over stacked layers: all GPU kernels per layer (quantization and the chain's small ops included) and
@@ -407,6 +441,13 @@ def copy_ceiling_gb_s() -> float:
     return 2 * a.nbytes / median_ms(jax.jit(lambda v: v * 1.0001), a) / 1e6
 
 
+def print_table(rows: list[dict], columns) -> None:
+    """rows as a markdown table of columns [(header, row -> cell)]."""
+    print("\n| " + " | ".join(h for h, _ in columns) + " |\n|" + "---|" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(str(cell(r)) for _, cell in columns) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true")
@@ -426,6 +467,8 @@ def main():
                          "of one input in one launch against separate launches")
     ap.add_argument("--split-sweep", action="store_true",
                     help="only the int8 GEMV's 5,120-output products at fewer rows per program and K splits")
+    ap.add_argument("--ahead-sweep", action="store_true",
+                    help="only the int8 GEMV's default tiles with each choice of planes loaded a K step ahead")
     ap.add_argument("--group-tiles", help="block sizes for --stream-sweep's grouped products, e.g. 16,2,8,1,1 "
                                           "(block_n, blocks_k, warps, prefetch, tiles); default: the best of the sweep")
     ap.add_argument("--json")
@@ -435,14 +478,21 @@ def main():
     ceiling = copy_ceiling_gb_s()
     read = read_ceiling_gb_s()
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
+    product = [("format", lambda r: r["format"]), ("out x in", lambda r: f"{r['out']}x{r['in']}"),
+               ("rows", lambda r: r["m"]), ("x", lambda r: r["x"])]
+    if args.ahead_sweep:
+        rows = ahead_sweep(start + args.seconds, key)
+        write_rows(args.json, rows)
+        print_table(rows, [*product, ("loaded ahead (prefetch)", lambda r: r["ahead"]),
+                           ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
+                           ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
+        return
     if args.split_sweep:
         rows = split_sweep(start + args.seconds, key)
         write_rows(args.json, rows)
-        print("\n| format | out x in | rows | x | block sizes | programs | GEMV GB/s (kernel) | all kernels us per "
-              "layer |\n|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['format']} | {r['out']}x{r['in']} | {r['m']} | {r['x']} | {r['block_sizes']} | "
-                  f"{r['programs']} | {r['gb_s']:.0f} | {1e3 * r['all_ms']:.1f} |")
+        print_table(rows, [*product, ("block sizes", lambda r: r["block_sizes"]), ("programs", lambda r: r["programs"]),
+                           ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
+                           ("all kernels us per layer", lambda r: f"{1e3 * r['all_ms']:.1f}")])
         return
     if args.stream_sweep:
         rows = stream_sweep(start + 0.7 * args.seconds, key)

@@ -19,6 +19,7 @@ four of them in registers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -60,6 +61,12 @@ class Int8Format:
     sums: str | None = None  # ... of x as floats ("float": offsets) or of each level's integers ("levels": code_bias)
     split_planes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # plane -> view axes loaded an index
     # at a time: {index tuple: load}
+
+    @property
+    def small_planes(self) -> tuple[str, ...]:
+        """Planes of at most 16 values a block (scales, minima): a K step of them is a few bytes a thread, cheap to
+        hold a step ahead in registers (quant_gemv_int8.BlockSizes.prefetch "small")."""
+        return tuple(name for name, view in self.planes.items() if math.prod(view) <= 16)
 
 
 def words(b: jax.Array) -> jax.Array:

@@ -25,11 +25,15 @@ Q4_K_M model's batch-1 decode from 79.8 to 89.2 tokens/s and batch 4 from 131.6 
 int8_quant_matmul_many runs the projections of one input (gate and up; q, k and v; the DeltaNet's four) as one
 launch with x quantized once: in a 27B decode step on an H200 that took batch-1 decode from 86 to 102 tokens/s
 (benchmarks/RESULTS.md, session 18). Programs with long K loops load the next step's words before decoding the
-current one's (BlockSizes.prefetch). Used where dot4 and byte_perm are single instructions (CUDA); elsewhere
-quant_matmul's float reduce stays (see uses_int8).
+current one's, and some products only its small planes, the scales (BlockSizes.prefetch; SMALL_AHEAD). Triton's
+own software pipelining of the loop (cp.async copies of the next steps into shared memory, asked for by the
+`tt.num_stages` attribute on the loop, which Pallas does not set: tried through a lowering rule) measured 1.05-1.9x
+slower on every 27B decode product (session 26). Used where dot4 and byte_perm are single instructions (CUDA);
+elsewhere quant_matmul's float reduce stays (see uses_int8).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -75,25 +79,30 @@ class BlockSizes:
     num_warps: int
     num_stages: int = 3
     splits: int | None = None  # programs sharing one row tile, each over 1/splits of K (None: enough for the GPU)
-    prefetch: bool | None = None  # load the next K step's words before decoding this one's (None: for long loops)
+    # load the next K step's planes before decoding this one's (None: for long loops; "small": only the planes of a
+    # few bytes a block, Int8Format.small_planes)
+    prefetch: bool | str | None = None
     tiles: int = 1  # row tiles per program, streamed one after another in one loop
 
     @classmethod
-    def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int) -> BlockSizes:
-        """For x of `rows` rows times n rows of W (all of a launch's weights) in ggml_type, `blocks` blocks per row.
-        Fastest of sweeps on an H200 (bench_decode_gemv.py --int8-sweep): 16 rows, 4 blocks per K step and 8 warps;
-        one block per step where the rows give fewer tiles than multiprocessors, so that K splits fill it; below one
-        wave of programs, FEW_TILES. Several row tiles per program measured slower (--stream-sweep: 1,022-1,537
-        against 2,186 GB/s). The K-quants do not load ahead (FEW_TILES' sweep: with prefetch 1.1-2x slower)."""
+    def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int, levels: int = 2) -> BlockSizes:
+        """For x of `rows` rows in `levels` int8 levels times n rows of W (all of a launch's weights) in ggml_type,
+        `blocks` blocks per row. Fastest of sweeps on an H200 (bench_decode_gemv.py --int8-sweep): 16 rows, 4 blocks
+        per K step and 8 warps; one block per step where the rows give fewer tiles than multiprocessors, so that K
+        splits fill it; below one wave of programs, FEW_TILES. Several row tiles per program measured slower
+        (--stream-sweep: 1,022-1,537 against 2,186 GB/s). The K-quants do not load whole steps ahead (FEW_TILES'
+        sweep: with prefetch 1.1-2x slower); the small planes load ahead where SMALL_AHEAD says."""
         tiles, prefetch = n // 16, None if ggml_type == T.IQ4_XS else False
         if tiles < 132:
             return cls(16, 1, 8, prefetch=prefetch)
         few = FEW_TILES[ggml_type][rows > 2]
-        if tiles < ONE_WAVE_TILES and blocks % (few.blocks_k * (few.splits or 1)) == 0:
-            return few
-        return cls(16, 4, 8, prefetch=prefetch)
+        one_wave = not (tiles < ONE_WAVE_TILES and blocks % (few.blocks_k * (few.splits or 1)) == 0)
+        chosen = cls(16, 4, 8, prefetch=prefetch) if one_wave else few
+        if levels == 2 and (ggml_type, one_wave, rows > 2) in SMALL_AHEAD:
+            return dataclasses.replace(chosen, prefetch="small")
+        return chosen
 
-    def prefetches(self, steps: int) -> bool:
+    def prefetches(self, steps: int) -> bool | str:
         """Whether a program of `steps` K steps per row tile loads ahead: by default where the loop is long enough
         to hide loads behind (an H200, --stream-sweep: 5120 x 17408 with 17 steps 1,889 against 1,757 GB/s, 1024 x
         5120 with 10 steps 537 against 473; at 5 or 6 steps equal or up to 9% slower)."""
@@ -109,10 +118,21 @@ ONE_WAVE_TILES = 396  # 16-row programs an H200 holds at once (68-80 registers x
 # 68.1 against 49.9 / 72.5; Q5_K 42.6 / 78.9 against 64.9 / 147.9; Q6_K 46.1 / 95.2 against 67.4 / 180.7.
 FEW_TILES = {
     T.IQ4_XS: (BlockSizes(16, 2, 8, splits=2), BlockSizes(16, 2, 4, splits=2)),
-    T.Q4_K: (BlockSizes(16, 2, 8, splits=2, prefetch=False), BlockSizes(16, 2, 4, splits=2)),
+    # Q4_K at 3-4 rows: loading ahead measured 61.2 against 53.3 us without (--ahead-sweep, session 26)
+    T.Q4_K: (BlockSizes(16, 2, 8, splits=2, prefetch=False), BlockSizes(16, 2, 4, splits=2, prefetch=False)),
     T.Q5_K: (BlockSizes(16, 4, 8, prefetch=False), BlockSizes(16, 4, 8, prefetch=False)),
     T.Q6_K: (BlockSizes(16, 2, 4, splits=2), BlockSizes(16, 2, 4, splits=2)),
 }
+
+# Where the small planes (scales and minima, Int8Format.small_planes) load a K step ahead in registers by default:
+# (format, whether the product fills a wave of programs (not FEW_TILES), rows > 2), for 16-bit x's two int8 levels
+# (float32 x's three hold more registers: there it measured slower, e.g. IQ4_XS 16384 x 5120 at 4 rows 53.6 -> 60.0
+# us, Q4_K at 1 row 23.1 -> 25.3). `bench_decode_gemv.py --ahead-sweep` on an H200 (session 26), GPU us a layer,
+# default -> small planes ahead: IQ4_XS 34816 x 5120 (the MLP's gate + up) at 4 rows 92.9 -> 81.7, 14336 x 5120
+# (attention q, k, v) at 4 rows 42.4 -> 39.9; Q4_K 34816 x 5120 at 1 row 45.2 -> 42.8, 5120 x 17408 at 1 row 29.0
+# -> 27.1; Q6_K 5120 x 17408 at 1 row 37.1 -> 32.4. Elsewhere equal or slower (IQ4_XS at 1 row 38.4 -> 46.8, its
+# 5,120-output products at 4 rows 40.6 -> 50.6; Q5_K; Q6_K 34816 x 5120 at 4 rows 142.5 -> 181.2).
+SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, False), (T.Q6_K, False, False)}
 
 
 def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:
@@ -360,8 +380,9 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     def k_slice(s):
         return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
 
-    def load(i):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
-        return _load_step(tile_planes(lax.div(i, steps)), k_slice(lax.rem(i, steps)), fmt)
+    def load(i, names):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
+        planes = {name: view for name, view in tile_planes(lax.div(i, steps)).items() if name in names}
+        return _load_step(planes, k_slice(lax.rem(i, steps)), fmt)
 
     def level_sums(group, r, sl):
         """The group's integer dot products with row r's levels, as floats [BN, KB, *acc]: sum_l part_l / 128^l."""
@@ -399,13 +420,13 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     zeros = (jnp.zeros((block_n, kb, *fmt.acc), jnp.float32),) * rows
     total = tiles * steps
 
+    ahead = tuple(fmt.planes) if prefetch is True else fmt.small_planes if prefetch == "small" else ()
+    now = tuple(name for name in fmt.planes if name not in ahead)
+
     def step(i, carry):
-        if prefetch:  # the next step's words are in flight while this one's are decoded
-            loaded, accs = carry
-            upcoming = load(jnp.minimum(i + 1, total - 1))
-        else:
-            loaded, accs = load(i), carry
-        accs = accumulate(loaded, lax.rem(i, steps), accs)
+        loaded, accs = carry  # loaded: the planes in `ahead`, this step's, loaded by the step before
+        upcoming = load(jnp.minimum(i + 1, total - 1), ahead)  # in flight while this step is decoded
+        accs = accumulate({**loaded, **load(i, now)}, lax.rem(i, steps), accs)
         if tiles > 1:
             last = lax.rem(i, steps) == steps - 1
 
@@ -414,11 +435,11 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
                 store(lax.div(i, steps), accs)
 
             accs = tuple(jnp.where(last, 0.0, a) for a in accs)
-        return (upcoming, accs) if prefetch else accs
+        return upcoming, accs
 
-    carry = lax.fori_loop(0, total, step, (load(0), zeros) if prefetch else zeros)
+    _, accs = lax.fori_loop(0, total, step, (load(0, ahead), zeros))
     if tiles == 1:
-        store(0, carry[1] if prefetch else carry)
+        store(0, accs)
 
 
 def _program_rows(bs: BlockSizes) -> int:
@@ -487,7 +508,8 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     fmt = INT8_FORMATS[ws[0].ggml_type]
     ns = tuple(w.shape[0] for w in ws)
     blocks = k // BLOCK
-    bs = block_sizes or BlockSizes.get_default(m, sum(ns), ws[0].ggml_type, blocks)
+    levels = levels or levels_for(x.dtype)
+    bs = block_sizes or BlockSizes.get_default(m, sum(ns), ws[0].ggml_type, blocks, levels)
     kb = blocks_per_step(blocks, bs.blocks_k)
     program_rows = _program_rows(bs)
     if layer is None:  # rows padded to whole tiles (a stacked weight cannot be: it would be copied)
@@ -501,7 +523,6 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
                   for w, n in zip(ws, ns)]
     padded = tuple(p[0].shape[0 if layer is None else 1] for p in planes)  # each plane [(L,) rows, blocks, ...]
     tile_counts = tuple(n // program_rows for n in padded)
-    levels = levels or levels_for(x.dtype)
     x_parts = quantized_x(x, fmt, levels, interpret=interpret)
     splits = bs.splits or split_count(sum(tile_counts), blocks // kb)
     if blocks % (kb * splits):

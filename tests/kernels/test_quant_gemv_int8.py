@@ -7,6 +7,8 @@ On CPU the kernels run interpreted; on a GPU compiled (dot4 as DP4A, the codeboo
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -372,13 +374,17 @@ def test_int8_gemv_reads_the_chosen_layer(ggml_type, m, splits, seed, interpret)
 
 
 # (rows of x, x dtype, rows of each weight, block sizes): weights of unequal rows side by side; the streaming options
-# (the next step's words loaded ahead, several row tiles per program, K splits) on whole-tile weights
-# (x's 1,024 values are 4 blocks: one block per K step and no K split gives each program 4 steps a row tile)
+# (the next step's planes loaded ahead, all or the small ones, several row tiles per program, K splits) on
+# whole-tile weights (x's 1,024 values are 4 blocks: one block per K step and no K split gives each program 4 steps
+# a row tile)
 MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), None),
               (2, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1)),
               (1, jnp.bfloat16, (64, 32), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1, tiles=2)),
               (3, jnp.float32, (32, 32, 96), qi.BlockSizes(16, 1, 8, splits=2, tiles=2)),
-              (1, jnp.bfloat16, (16, 48), qi.BlockSizes(16, 2, 4, prefetch=True, splits=2))]
+              (1, jnp.bfloat16, (16, 48), qi.BlockSizes(16, 2, 4, prefetch=True, splits=2)),
+              (1, jnp.bfloat16, (32, 48), qi.BlockSizes(16, 1, 8, prefetch="small", splits=1)),
+              (4, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch="small", splits=2, tiles=2)),
+              (2, jnp.bfloat16, (48, 16), qi.BlockSizes(16, 2, 8, prefetch="small", splits=1))]
 
 
 @by_name
@@ -497,19 +503,32 @@ def test_int8_gemv_refuses_what_it_cannot_take():
 @by_name
 def test_default_tiles_below_one_wave(ggml_type):
     """BlockSizes.get_default: products of fewer 16-row tiles than one wave of programs (the 27B's 5,120 outputs)
-    take the format's FEW_TILES entry for their rows where its K splits divide the blocks, else the general tiles;
-    the K-quants never load ahead by default."""
+    take the format's FEW_TILES entry for their rows where its K splits divide the blocks, else the general tiles
+    (which the K-quants never load ahead); the small planes load ahead exactly where SMALL_AHEAD names the format,
+    regime and rows, and only for x in two levels."""
+    def tiles(bs):
+        return bs.block_n, bs.blocks_k, bs.num_warps, bs.splits
+
+    def expected_prefetch(base, one_wave, rows, levels):
+        small = levels == 2 and (ggml_type, one_wave, rows > 2) in qi.SMALL_AHEAD
+        return "small" if small else base.prefetch
+
     few = qi.FEW_TILES[ggml_type]
-    for rows in (1, 2, 3, 4):
-        assert qi.BlockSizes.get_default(rows, 5120, ggml_type, 68) == few[rows > 2], rows
-    wide = qi.BlockSizes.get_default(1, 34816, ggml_type, 20)
-    odd = qi.BlockSizes.get_default(1, 5120, ggml_type, 17)  # 17 blocks: no whole K splits
-    narrow = qi.BlockSizes.get_default(1, 1024, ggml_type, 20)
-    for bs in (wide, odd) if few[0].splits else (wide,):
-        assert (bs.block_n, bs.blocks_k, bs.num_warps, bs.splits) == (16, 4, 8, None)
-    assert narrow.blocks_k == 1
     k_quant = ggml_type != T.IQ4_XS
-    assert all((bs.prefetch is False) == k_quant for bs in (wide, odd, narrow))
+    for rows, levels in itertools.product((1, 2, 3, 4), (2, 3)):
+        got = qi.BlockSizes.get_default(rows, 5120, ggml_type, 68, levels)
+        assert tiles(got) == tiles(few[rows > 2]), (rows, levels)
+        assert got.prefetch == expected_prefetch(few[rows > 2], False, rows, levels), (rows, levels)
+        wide = qi.BlockSizes.get_default(rows, 34816, ggml_type, 20, levels)
+        assert tiles(wide) == (16, 4, 8, None)
+        assert wide.prefetch == expected_prefetch(qi.BlockSizes(16, 4, 8, prefetch=False if k_quant else None),
+                                                  True, rows, levels), (rows, levels)
+    odd = qi.BlockSizes.get_default(1, 5120, ggml_type, 17, 3)  # 17 blocks: no whole K splits
+    if few[0].splits:
+        assert tiles(odd) == (16, 4, 8, None)
+    narrow = qi.BlockSizes.get_default(1, 1024, ggml_type, 20)
+    assert narrow.blocks_k == 1
+    assert all((bs.prefetch is False) == k_quant for bs in (odd, narrow))
 
 
 @pytest.mark.parametrize("setting,expected", [("on", True), ("off", False), ("", True)])

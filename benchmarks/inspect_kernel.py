@@ -14,6 +14,7 @@ Triton is not a project dependency: install it in a separate environment (`pytho
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -54,21 +55,38 @@ print(json.dumps({"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "sh
 """
 
 
-def capture_triton_ir(fn, *avals) -> list[str]:
-    """The Triton IR text of every Pallas kernel in jit(fn) lowered for CUDA at these abstract inputs."""
-    captured, original = [], lowering.lower_jaxpr_to_triton_module
+class KernelCapture:
+    """Triton modules Pallas lowers while active, each once, with the kernel's name, warps and stages (read from
+    Pallas's pallas_call lowering, the caller of lower_jaxpr_to_triton_module)."""
 
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
+    def __init__(self):
+        self.kernels: dict[str, dict] = {}
+        self._original = lowering.lower_jaxpr_to_triton_module
 
-    lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
-    return captured
+    def __enter__(self):
+        def capture(jaxpr, grid_mapping, *args, **kwargs):
+            result = self._original(jaxpr, grid_mapping, *args, **kwargs)
+            caller = sys._getframe(1).f_locals
+            ir = result.module.operation.get_asm(enable_debug_info=False)
+            digest = hashlib.sha1(ir.encode()).hexdigest()[:12]
+            name = getattr(caller.get("debug_info"), "func_name", None) or caller.get("name") or "kernel"
+            self.kernels.setdefault(digest, {"name": str(name), "ir": ir, "num_warps": caller.get("num_warps", 4),
+                                             "num_stages": caller.get("num_stages", 1)})
+            return result
+
+        lowering.lower_jaxpr_to_triton_module = capture
+        return self
+
+    def __exit__(self, *exc):
+        lowering.lower_jaxpr_to_triton_module = self._original
+
+
+def capture_triton_ir(fn, *avals, platform: str = "cuda") -> list[str]:
+    """The Triton IR text of every distinct Pallas kernel in jit(fn) lowered for `platform` (cuda, rocm) at these
+    abstract inputs, in launch order."""
+    with KernelCapture() as captured:
+        jax.jit(fn).trace(*avals).lower(lowering_platforms=(platform,))
+    return [kernel["ir"] for kernel in captured.kernels.values()]
 
 
 def int8_gemv_ir(out: int, k: int, rows: int, dtype, block_sizes: qi.BlockSizes, ggml_type=T.IQ4_XS) -> str:

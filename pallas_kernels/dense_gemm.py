@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot
+from pallas_kernels.common import ROCM_SHARED_BYTES, dot, on_rocm
 from pallas_kernels.dense_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.dense_gemv import pow2_divisor, split_count, split_out_shape, sum_splits
 
@@ -55,8 +55,19 @@ class BlockSizes:
         if block_n < 16 or block_k < 16:
             return None
         splits = min(2, split_count(-(-m // block_m) * (n // block_n), k // block_k))  # toward two waves
-        return cls(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 256 else 4, 4 if splits == 1 else 3,
-                   splits)
+        bs = cls(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 256 else 4, 4 if splits == 1 else 3,
+                 splits)
+        return dataclasses.replace(bs, num_stages=bs.fitted_stages(x_tiles=1))
+
+    def fitted_stages(self, x_tiles: int) -> int:
+        """num_stages, fewer where the platform's shared memory holds fewer: on ROCm AMD's pipeliner keeps
+        num_stages - 1 stages of tiles (x_tiles x tiles and a W tile, 16-bit) in LDS (gfx942, cross_compile.py:
+        128 x 256 x 64 tiles 48 / 96 / 144 KiB at 2 / 3 / 4 stages), so at most 1 + ROCM_SHARED_BYTES // a
+        stage's bytes; elsewhere as chosen."""
+        if not on_rocm():
+            return self.num_stages
+        stage_bytes = 2 * (x_tiles * self.block_m + self.block_n) * self.block_k
+        return max(1, min(self.num_stages, 1 + ROCM_SHARED_BYTES // stage_bytes))
 
 
 def supported(x_shape, w_shape, x_dtype, w_dtype) -> bool:
@@ -111,7 +122,7 @@ def stacked_gemm(x: jax.Array, w: jax.Array, layer: jax.Array, *, x_lo: jax.Arra
     if bs is None or n % bs.block_n or k % (bs.block_k * bs.splits):
         raise ValueError(f"no tiles fit x {x.shape} @ w {w.shape} (block sizes {bs})")
     if x_lo is not None and block_sizes is None:  # a second x tile per stage: 4 stages of 128 x 256 overflow smem
-        bs = dataclasses.replace(bs, num_stages=min(bs.num_stages, 3))
+        bs = dataclasses.replace(bs, num_stages=min(bs.num_stages, 3, bs.fitted_stages(x_tiles=2)))
     xs = [jnp.pad(a, ((0, -m % bs.block_m), (0, 0))) for a in (x, x_lo) if a is not None]
     rows = xs[0].shape[0]
     out_dtype = out_dtype or x.dtype

@@ -3,6 +3,8 @@ stacked_quant_matmul, and linear() on a LayerSlice), against float64 products of
 Interpreted on CPU, compiled on a GPU."""
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import dense_gemm
+from pallas_kernels.common import ROCM_SHARED_BYTES
 from pallas_kernels.dense_gemv import BlockSizes, split_count, stacked_gemv, stacked_gemv_reference
 from pallas_kernels.quant_matmul import stacked_quant_matmul
 from test_quant_matmul import check, random_weight
@@ -119,6 +122,45 @@ def test_stacked_gemm_split_k_sums_every_part(splits, seed, interpret):
     got = dense_gemm.stacked_gemm(x, w, jnp.int32(layer), block_sizes=bs, out_dtype=jnp.float32, interpret=interpret)
     check(got, x, np.asarray(w[layer].astype(jnp.float32), np.float64), jnp.bfloat16,
           f"x[{m},{k}] W[{layers},{out},{k}] layer {layer} splits {splits} seed {seed}", tol=4e-3)
+
+
+# The 27B's prefill products at a 1,024-row step: (out, in)
+PREFILL_SHAPES = [(17408, 5120), (5120, 17408), (6144, 5120), (12288, 5120), (1024, 5120), (10240, 5120)]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_stacked_gemm_stages_fit_the_platforms_shared_memory(monkeypatch, platform):
+    """On ROCm the default tiles keep fewer pipeline stages, so that AMD's pipeliner's num_stages - 1 sets of tiles
+    (one or two x tiles and a W tile per stage, 16-bit) fit gfx942's 64 KiB of LDS; on CUDA the tuned stages stay."""
+    monkeypatch.setattr(backend, "gpu_platform", lambda: platform)
+    for (n, k), x_tiles in itertools.product(PREFILL_SHAPES, (1, 2)):
+        bs = dense_gemm.BlockSizes.get_default(1024, n, k)
+        monkeypatch.setattr(backend, "gpu_platform", lambda: "cuda")
+        tuned = dense_gemm.BlockSizes.get_default(1024, n, k)
+        monkeypatch.setattr(backend, "gpu_platform", lambda: platform)
+        stages = bs.num_stages if x_tiles == 1 else bs.fitted_stages(x_tiles=2)
+        lds = (stages - 1) * 2 * (x_tiles * bs.block_m + bs.block_n) * bs.block_k
+        if platform == "rocm":
+            assert 1 <= stages and lds <= ROCM_SHARED_BYTES, (n, k, x_tiles, bs)
+            assert stages == 1 or (stages * 2 * (x_tiles * bs.block_m + bs.block_n) * bs.block_k > ROCM_SHARED_BYTES
+                                   or stages == tuned.num_stages), f"{n}x{k}: fewer stages than fit ({bs})"
+        else:
+            assert bs == tuned and bs.fitted_stages(x_tiles) == bs.num_stages
+
+
+def test_stacked_gemm_with_rocms_tiles(monkeypatch, seed, interpret):
+    """The product with the default tiles chosen for ROCm (fewer stages) keeps its values."""
+    monkeypatch.setattr(backend, "gpu_platform", lambda: "rocm")
+    rng = np.random.default_rng(seed)
+    layers, m, out, k = 2, int(rng.integers(17, 130)), 256, 512
+    w = jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    layer = int(rng.integers(0, layers))
+    tiles = dense_gemm.BlockSizes.get_default(m, out, k)  # passed on: the jitted kernel's cache does not know it
+    got = dense_gemm.stacked_gemm(x, w, jnp.int32(layer), block_sizes=tiles, out_dtype=jnp.float32,
+                                  interpret=interpret)
+    check(got, x, np.asarray(w[layer].astype(jnp.float32), np.float64), jnp.bfloat16,
+          f"x[{m},{k}] W[{layers},{out},{k}] layer {layer} (ROCm tiles {tiles}) seed {seed}", tol=4e-3)
 
 
 def test_stacked_gemm_refuses_what_it_cannot_tile():

@@ -157,6 +157,13 @@ def decode_attention(q, k_cache, v_cache, start, *, layer=None, scale: float, bl
     return out[:, :, :rep].reshape(B, 1, Hq, D).astype(q.dtype)
 
 
+def rotary_fits(rotary_dim: int, head_dim: int) -> bool:
+    """Whether gated_decode_attention rotates rotary_dim leading columns of a head: halves of a power-of-two width
+    (Triton block shapes), within the head."""
+    half = rotary_dim // 2
+    return 0 < half and half & (half - 1) == 0 and rotary_dim <= head_dim
+
+
 def _normed_rotated(load, weight, cos, sin, *, width: int, rotary_dim: int, eps: float, dtype):
     """One head row's zero-centred RMS norm (NormedInput's form, rounded to dtype) and its rotary embedding on the
     leading rotary_dim columns (layers.rope.apply_rotary's rotate_half pairing, in dtype arithmetic):
@@ -293,8 +300,7 @@ def gated_decode_attention(q_gate, k, v, q_norm, k_norm, param_layer, cos, sin, 
     D = two_d // 2
     _check_caches(B, Hq, D, k_cache, v_cache)
     Hkv = k_cache.shape[3]
-    half = rotary_dim // 2
-    if half < 1 or half & (half - 1) or rotary_dim > D or k.shape != (B, Hkv, D) or v.shape != k.shape:
+    if not rotary_fits(rotary_dim, D) or k.shape != (B, Hkv, D) or v.shape != k.shape:
         raise ValueError(f"rotary_dim {rotary_dim} must be twice a power of two <= {D}; k {k.shape}, v {v.shape} "
                          f"must be [{B}, {Hkv}, {D}]")
     rep = Hq // Hkv

@@ -62,10 +62,11 @@ def xla_cached_attention(q, k_cache, v_cache, start, *, scale: float):
 def gated_decode_fused(k_cache, v_cache, heads: int, head_dim: int, rotary_dim: int) -> bool:
     """Whether gated_decode_attention takes a decode token: the caches as LayerSlices of their stacks, the Pallas
     kernels chosen, a power-of-two head dim, rotary halves of a power-of-two width, whole q head groups."""
-    half = rotary_dim // 2
-    return (isinstance(k_cache, LayerSlice) and isinstance(v_cache, LayerSlice) and backend.use_pallas()
-            and _pow2_head_dim(head_dim) and 0 < half and half & (half - 1) == 0 and rotary_dim <= head_dim
-            and heads % k_cache.stacked.shape[-2] == 0)
+    if not (isinstance(k_cache, LayerSlice) and isinstance(v_cache, LayerSlice) and backend.use_pallas()):
+        return False
+    from pallas_kernels.decode_attention import rotary_fits
+
+    return _pow2_head_dim(head_dim) and rotary_fits(rotary_dim, head_dim) and heads % k_cache.stacked.shape[-2] == 0
 
 
 def gated_decode_attention(q_gate, k, v, q_norm, k_norm, cos, sin, k_cache: LayerSlice, v_cache: LayerSlice, start,

@@ -21,6 +21,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -213,6 +214,73 @@ def rows_sweep(formats, deadline: float, key) -> list[dict]:
                                  "block_sizes": str(bs)})
                     print(json.dumps(rows[-1]), flush=True)
         del stacked
+    return rows
+
+
+# block_n, values a K step, warps, stages
+SKINNY_GRID = list(itertools.product((32, 64, 128), (256, 512), (4, 8), (1, 3)))
+
+
+# (format, out, in, rows of x) for --skinny-check: the 27B's DeltaNet products at 32 rows (both bf16 parts of 16
+# float32 rows in one launch), and the formats the --skinny-sweep grid left out
+SKINNY_CHECKS = [("IQ4_XS", 16384, 5120, 32), ("IQ4_XS", 5120, 6144, 32), ("Q4_K", 16384, 5120, 32),
+                 ("Q6_K", 5120, 6144, 32), ("Q5_K", 5120, 17408, 16), ("Q8_0", 17408, 5120, 16)]
+
+
+def skinny_check(deadline: float, key) -> list[dict]:
+    """The skinny dot's default tiles on SKINNY_CHECKS against one change each (3 stages, 64 output rows, half and
+    twice the K step, 8 warps)."""
+    rows = []
+    for fmt, out, k, m in SKINNY_CHECKS:
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        default = qm._stacked_block_sizes(T[fmt], m, out)
+        variants = [default, dataclasses.replace(default, num_stages=3), dataclasses.replace(default, block_n=64),
+                    dataclasses.replace(default, blocks_k=max(1, default.blocks_k // 2)),
+                    dataclasses.replace(default, blocks_k=2 * default.blocks_k),
+                    dataclasses.replace(default, num_warps=8)]
+        rows += _time_skinny(fmt, out, k, m, stacked, layers, nbytes, list(dict.fromkeys(variants)), deadline, key)
+        del stacked
+    return rows
+
+
+def _time_skinny(fmt, out, k, m, stacked, layers, nbytes, variants, deadline, key) -> list[dict]:
+    """Kernel time per layer of m rows of bf16 x times the stacked weight at each of the block sizes."""
+    rows = []
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    for bs in variants:
+        if time.time() > deadline:
+            break
+        try:
+            ms, _ = layer_ms(fmt, bs, x, stacked, layers, repeats=5)
+        except Exception as e:  # a tile the compiler refuses (shared memory, registers)
+            print(f"{fmt} {bs}: {type(e).__name__} {str(e)[:200]}", flush=True)
+            continue
+        rows.append({"format": fmt, "out": out, "in": k, "m": m, "x": "bfloat16", "block_sizes": str(bs),
+                     "default": bs == qm._stacked_block_sizes(T[fmt], m, out), "ms": ms, "gb_s": nbytes / ms / 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def skinny_sweep(formats, deadline: float, key) -> list[dict]:
+    """The fused kernel's tensor-core regime (5 to 16 rows of bf16 x) at other tiles than its default: the whole grid
+    on IQ4_XS 17408 x 5120 at 16 rows, then the default and the three fastest there on every format and shape."""
+    stacked, layers, nbytes = stacked_weight("IQ4_XS", 17408, 5120, key)
+    grid = [qm.BlockSizes(16, bn, max(1, v // 256), w, st) for bn, v, w, st in SKINNY_GRID]
+    rows = _time_skinny("IQ4_XS", 17408, 5120, 16, stacked, layers, nbytes,
+                        [qm._stacked_block_sizes(T.IQ4_XS, 16, 17408), *grid], deadline, key)
+    del stacked
+    best = sorted((r for r in rows if not r["default"]), key=lambda r: r["ms"])[:3]
+    best_tiles = [tuple(int(v) for v in re.findall(r"=(\d+)", r["block_sizes"])[:5]) for r in best]
+    for fmt in formats:
+        for out, k in ((17408, 5120), (5120, 17408)):
+            if (fmt, out) == ("IQ4_XS", 17408):
+                continue
+            stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+            block = GGML_QUANT_SIZES[T[fmt]][0]
+            variants = [qm._stacked_block_sizes(T[fmt], 16, out)] + [
+                qm.BlockSizes(m, bn, max(1, bk * 256 // block), w, st) for m, bn, bk, w, st in best_tiles]
+            rows += _time_skinny(fmt, out, k, 16, stacked, layers, nbytes, variants, deadline, key)
+            del stacked
     return rows
 
 
@@ -469,6 +537,10 @@ def main():
                     help="only the int8 GEMV's 5,120-output products at fewer rows per program and K splits")
     ap.add_argument("--ahead-sweep", action="store_true",
                     help="only the int8 GEMV's default tiles with each choice of planes loaded a K step ahead")
+    ap.add_argument("--skinny-sweep", action="store_true",
+                    help="only the fused kernel's tensor-core regime (16 rows) at other tiles than its default")
+    ap.add_argument("--skinny-check", action="store_true",
+                    help="only the skinny dot's default tiles against one change each on SKINNY_CHECKS")
     ap.add_argument("--group-tiles", help="block sizes for --stream-sweep's grouped products, e.g. 16,2,8,1,1 "
                                           "(block_n, blocks_k, warps, prefetch, tiles); default: the best of the sweep")
     ap.add_argument("--json")
@@ -480,6 +552,15 @@ def main():
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
     product = [("format", lambda r: r["format"]), ("out x in", lambda r: f"{r['out']}x{r['in']}"),
                ("rows", lambda r: r["m"]), ("x", lambda r: r["x"])]
+    if args.skinny_sweep or args.skinny_check:
+        formats = [f for f in args.formats.split(",") if f != "bf16"]
+        rows = (skinny_check(start + args.seconds, key) if args.skinny_check
+                else skinny_sweep(formats, start + args.seconds, key))
+        write_rows(args.json, rows)
+        print_table(sorted(rows, key=lambda r: (r["format"], r["out"], r["ms"])),
+                    [*product, ("block sizes", lambda r: r["block_sizes"] + (" (default)" if r["default"] else "")),
+                     ("GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
+        return
     if args.ahead_sweep:
         rows = ahead_sweep(start + args.seconds, key)
         write_rows(args.json, rows)

@@ -1,5 +1,5 @@
 """Where the GPU time of a random-weight Qwen3.5 model goes: per-kernel totals from a jax.profiler trace of the
-vision tower, a text prefill, the first token of an image prompt and batch-1 decode steps.
+vision tower, a text prefill, the first token of an image prompt and decode steps (batch 1, or --decode-batch).
 
     python benchmarks/profile_model.py --config qwen35-27b --json profile.json
 
@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=1012)
     ap.add_argument("--image-tokens", type=int, default=975)
     ap.add_argument("--phases", default="vision,prefill,first_token,decode")
+    ap.add_argument("--decode-batch", type=int, default=1, help="sequences decoded together in the decode phase")
     ap.add_argument("--json", help="write the per-phase tables here")
     args = ap.parse_args()
     phases = args.phases.split(",")
@@ -129,15 +130,17 @@ def main():
 
         report["first_token"] = profile_phase("first token of the image prompt", first_token, 2)
     if "decode" in phases:
-        state["caches"] = backend.init_cache(1, max_len)
-        tokens, cached, deltas = np.zeros(1, np.int32), np.full(1, args.prompt_tokens, np.int32), np.zeros(1, np.int32)
+        batch = args.decode_batch
+        state["caches"] = backend.init_cache(batch, max_len)
+        tokens, cached = np.zeros(batch, np.int32), np.full(batch, args.prompt_tokens, np.int32)
+        deltas = np.zeros(batch, np.int32)
 
         def ten_steps():
             for _ in range(10):
                 logits, state["caches"] = backend.decode(state["caches"], tokens, cached, deltas)
             logits.block_until_ready()
 
-        report["decode_10_steps_b1"] = profile_phase("10 decode steps, batch 1", ten_steps, 1)
+        report[f"decode_10_steps_b{batch}"] = profile_phase(f"10 decode steps, batch {batch}", ten_steps, 1)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -158,10 +158,10 @@ def decode_attention(q, k_cache, v_cache, start, *, layer=None, scale: float, bl
 
 
 def rotary_fits(rotary_dim: int, head_dim: int) -> bool:
-    """Whether gated_decode_attention rotates rotary_dim leading columns of a head: halves of a power-of-two width
-    (Triton block shapes), within the head."""
+    """Whether gated_decode_attention rotates rotary_dim leading columns of a head: an even width whose halves are a
+    power of two (Triton block shapes), within the head."""
     half = rotary_dim // 2
-    return 0 < half and half & (half - 1) == 0 and rotary_dim <= head_dim
+    return rotary_dim % 2 == 0 and 0 < half and half & (half - 1) == 0 and rotary_dim <= head_dim
 
 
 def _normed_rotated(load, weight, cos, sin, *, width: int, rotary_dim: int, eps: float, dtype):

@@ -8,7 +8,8 @@ and the layer index and streams that layer's rows once.
 Two regimes by the rows M of x (decode: 1..16):
 - M == 1: each program owns BN output rows and multiply-adds [BN, BK] tiles in float32 registers along K,
   reduced once at the end (no tensor cores: a GEMV is bound by reading W);
-- 2 <= M <= 16: x padded to 16 rows, one tensor-core dot per [16, BK] x [BK, BN] step.
+- 2 <= M <= 16: x padded to 16 rows, one tensor-core dot per [16, BK] x [BK, BN] step; up to 32 rows the same at
+  32 (both bf16 parts of 16 float32 rows, ops.linear.split_linear, in one read of W).
 Weights with few output rows (a DeltaNet gate projection has 48, a key/value projection 1,024) would give too few
 programs to keep every multiprocessor streaming, and one 5,120-row output gives 160 programs: 1.2 waves on an H200's
 132 multiprocessors. Such shapes split K over `splits` programs per row tile, which write float32 partial sums that
@@ -28,7 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import dot
 
-MAX_ROWS = 16
+MAX_ROWS = 16  # rows of x a decode step's product has (more: prefill's GEMM)
+PARTS_MAX_ROWS = 32  # rows the kernel takes: a float32 x's two bf16 parts stacked
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,9 @@ def supported_many(x_shape, w_shapes, w_dtypes) -> bool:
     """Whether stacked_gemv_many takes x [..., in] and weights [L, out_i, in] of these shapes and dtypes: one dtype,
     one L and one in for all, and tiles that divide every out_i."""
     m = math.prod(x_shape[:-1])
-    if not 0 < m <= MAX_ROWS or len({jnp.dtype(d) for d in w_dtypes}) != 1 or jnp.dtype(w_dtypes[0]) not in _DTYPES:
+    if not 0 < m <= PARTS_MAX_ROWS or len({jnp.dtype(d) for d in w_dtypes}) != 1:
+        return False
+    if jnp.dtype(w_dtypes[0]) not in _DTYPES:
         return False
     if any(len(s) != 3 for s in w_shapes) or len({(s[0], s[2]) for s in w_shapes}) != 1:
         return False
@@ -162,7 +166,7 @@ def supported_many(x_shape, w_shapes, w_dtypes) -> bool:
 @functools.partial(jax.jit, static_argnames=("block_sizes", "out_dtype", "interpret", "debug"))
 def stacked_gemv(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_sizes: BlockSizes | None = None,
                  out_dtype=None, interpret: bool = False, debug: bool = False) -> jax.Array:
-    """x [M, in] (M <= 16) @ w[layer].T for w [L, out, in] -> [M, out] in out_dtype (default x.dtype), float32
+    """x [M, in] (M <= 32) @ w[layer].T for w [L, out, in] -> [M, out] in out_dtype (default x.dtype), float32
     accumulation; float32 operands get full float32 products."""
     return stacked_gemv_many(x, (w,), layer, block_sizes=block_sizes, out_dtype=out_dtype, interpret=interpret,
                              debug=debug)[0]
@@ -176,8 +180,8 @@ def stacked_gemv_many(x: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array,
     projection, or q, k and v) as one grid over all their row tiles. Each launch leaves multiprocessors idle at its
     start and in its last wave, and a small projection alone is too few programs to stream at full rate."""
     m, k = x.shape
-    if not 0 < m <= MAX_ROWS or any(w.ndim != 3 or w.shape[2] != k or w.shape[0] != ws[0].shape[0] for w in ws):
-        raise ValueError(f"x {x.shape} @ w[layer].T needs x [M <= {MAX_ROWS}, in] and every w [L, out, in]; "
+    if not 0 < m <= PARTS_MAX_ROWS or any(w.ndim != 3 or w.shape[2] != k or w.shape[0] != ws[0].shape[0] for w in ws):
+        raise ValueError(f"x {x.shape} @ w[layer].T needs x [M <= {PARTS_MAX_ROWS}, in] and every w [L, out, in]; "
                          f"got {[w.shape for w in ws]}")
     if len({w.dtype for w in ws}) != 1:
         raise ValueError(f"weights of one dtype, got {[w.dtype for w in ws]}")
@@ -186,7 +190,7 @@ def stacked_gemv_many(x: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array,
     if bs is None or any(n % bs.block_n for n in ns) or k % (bs.block_k * bs.splits):
         raise ValueError(f"no tiles fit weights {[w.shape for w in ws]} (block sizes {bs})")
     reduce = m == 1
-    rows = 1 if reduce else MAX_ROWS
+    rows = 1 if reduce else MAX_ROWS if m <= MAX_ROWS else PARTS_MAX_ROWS
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     dot_dtype = jnp.float32 if jnp.float32 in (x.dtype, ws[0].dtype) else x.dtype
     out_dtype = out_dtype or x.dtype

@@ -5,10 +5,11 @@ One kernel, three regimes chosen by the rows M of x:
   packed blocks once along K, decoding each weight once; per row of x, each sub-block's integer values times x are
   summed unscaled, then scaled once into a float32 register tile (offsets times the sub-block's sum of x,
   precomputed), reduced once at the end;
-- up to 16 rows (skinny GEMM): the same stream, x padded to 16 rows, one tensor-core `pl.dot` per piece;
+- up to 32 rows (skinny GEMM): the same stream, x padded to 16 rows (32 above 16: a float32 x's two bf16 parts,
+  ops.linear.split_linear, as one launch), one tensor-core `pl.dot` per piece;
   in both, K is split over several programs where there are too few row tiles to fill the GPU (float32 partial
   sums, added by XLA);
-- M >= 17 (prefill GEMM): a [BM, BN] output tile per program; W decoded to x's dtype (bf16) in registers.
+- M >= 33 (prefill GEMM): a [BM, BN] output tile per program; W decoded to x's dtype (bf16) in registers.
 Weights never leave their packed planes; the wrapper only reshapes them (free) and permutes x into the order
 the decoders emit values (quant_decode.py). float32 x uses exact float32 products (precision HIGHEST).
 stacked_quant_matmul is the same kernel on a weight stacked over layers, reading one layer in place (decode);
@@ -43,13 +44,14 @@ from pallas_kernels.dense_gemv import (
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, in_kernel_order, kernel_magic
 
-GEMV_MAX_ROWS = 16  # x rows up to this use the streaming kernel, more the tiled GEMM
+GEMV_MAX_ROWS = 16  # x rows up to this take the streaming kernel at 16 rows (the 16 decoded sequences of a batch)
+SKINNY_MAX_ROWS = 32  # ... up to this at 32 rows (both bf16 parts of float32 x: split_linear); more the tiled GEMM
 REDUCE_MAX_ROWS = 8  # the GEMV reduce takes up to this many rows of x (the formats' defaults: KernelFormat.reduce_rows)
 
 
 @dataclass(frozen=True)
 class BlockSizes:
-    block_m: int  # x rows per program (<= REDUCE_MAX_ROWS: GEMV reduce; 16: skinny dot; more: GEMM)
+    block_m: int  # x rows per program (<= REDUCE_MAX_ROWS: GEMV reduce; 16, 32: skinny dot; more: GEMM)
     block_n: int  # output rows (W rows) per program
     blocks_k: int  # ggml blocks per K step (lowered to a power of two dividing blocks per row)
     num_warps: int
@@ -66,7 +68,8 @@ class BlockSizes:
     def get_default(cls, ggml_type, m: int) -> BlockSizes:
         """Fastest of a sweep on an H200 in the decoder's setting (a scan over stacked 17408 x 5120 layers read in
         place; benchmarks/bench_decode_gemv.py --sweep, 2026-11-29; the rows per regime and the halved K step of
-        the reduce at 3-4 rows from --rows-sweep, 2026-12-01); the prefill GEMM from an earlier sweep."""
+        the reduce at 3-4 rows from --rows-sweep, 2026-12-01; the skinny dot's from --skinny-sweep, 2026-12-03);
+        the prefill GEMM from an earlier sweep."""
         fmt = KERNEL_FORMATS[ggml_type]
         block = fmt.block
         if m <= fmt.reduce_rows:  # shorter K steps for several rows (registers), measured faster at 4 rows
@@ -74,8 +77,11 @@ class BlockSizes:
             block_n, values, warps = wide or _GEMV_TILES.get(ggml_type, (8, 512, 4))
             return cls(m, block_n, max(1, values // (block * (1 if m <= 2 else 2))), warps, 3,
                        x_float32=True if wide else None)
-        if m <= GEMV_MAX_ROWS:
-            return cls(16, 32, max(1, _SKINNY_VALUES.get(ggml_type, 512) // block), 4, 3)
+        if m <= SKINNY_MAX_ROWS:
+            values, stages = _SKINNY_TILES[ggml_type]
+            wide = m > GEMV_MAX_ROWS
+            return cls(SKINNY_MAX_ROWS if wide else GEMV_MAX_ROWS, 64 if wide else 32, max(1, values // block), 4,
+                       stages)
         return cls(64, 128, max(1, 64 // block), 4, 3)
 
 
@@ -85,7 +91,16 @@ _GEMV_TILES = {T.IQ4_XS: (8, 1024, 8), T.Q4_K: (16, 512, 4), T.Q5_K: (8, 1024, 8
 # of x): kernel times from a profiler trace on an H200, 17408 x 5120 and 5120 x 17408 (2026-12-01,
 # benchmarks/RESULTS.md).
 _FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8), (T.Q4_K, 2): (16, 1024, 8), (T.Q6_K, 1): (16, 1024, 8)}
-_SKINNY_VALUES = {T.IQ4_XS: 256, T.Q6_K: 256}
+# The skinny dot's (values per K step, stages) per format, at 32 output rows a program (64 at 32 rows of x) and 4
+# warps: the fastest on an H200 (bench_decode_gemv.py --skinny-sweep and --skinny-check, session 27), GPU us a
+# layer at 16 rows of bf16 x, 17408 x 5120 / 5120 x 17408: IQ4_XS 79.2 / 78.6 at 512 values and one stage against
+# 126.8 / 129.1 at 256 values and 3 stages (the previous default); Q4_K 75.7 / 82.4 against 93.1 / 95.9 at 3
+# stages; Q6_K 91.2 / 102.3 against 95.7 / 101.6. Q5_K (5120 x 17408) and Q8_0 (17408 x 5120) keep 3 stages: 108.9
+# and 77.2 against 132.3 and 85.0 at one. 8 warps measured slower, and 64 output rows at 16 rows of x (but for IQ4_XS
+# 5120 x 17408: 74.1); at 32 rows of x (both parts of 16 float32 rows) 64 output rows won: IQ4_XS 16384 x 5120 66.5
+# against 90.3 at 32, 5120 x 6144 35.4 against 48.0; Q4_K 16384 x 5120 74.9 against 93.9; Q6_K 5120 x 6144 41.8
+# against 51.9.
+_SKINNY_TILES = {T.IQ4_XS: (512, 1), T.Q4_K: (512, 1), T.Q6_K: (256, 1), T.Q5_K: (512, 3), T.Q8_0: (512, 3)}
 
 
 def blocks_per_step(blocks: int, wanted: int) -> int:
@@ -236,18 +251,18 @@ def quant_matmul_many(x: jax.Array, ws: tuple[QuantizedTensor, ...], layer: jax.
 
 def stacked_supported(x_shape, w: QuantizedTensor) -> bool:
     """Whether stacked_quant_matmul takes x [..., in] @ W[layer].T: a kernel format, 2-D layers, at most
-    GEMV_MAX_ROWS rows of x, and output rows that the row tiles divide (stacked planes are never padded)."""
+    SKINNY_MAX_ROWS rows of x, and output rows that the row tiles divide (stacked planes are never padded)."""
     return supported_many(x_shape, (w,), stacked=True)
 
 
 def supported_many(x_shape, ws, stacked: bool) -> bool:
     """Whether quant_matmul_many takes x [..., in] and the packed weights ws (stacked: each [L, out_i, in], one L):
-    one kernel format, 2-D weights with x's in, at most GEMV_MAX_ROWS rows of x, and (stacked) a row tile dividing
+    one kernel format, 2-D weights with x's in, at most SKINNY_MAX_ROWS rows of x, and (stacked) a row tile dividing
     every out_i."""
     m = math.prod(x_shape[:-1])
     if not ws or len({w.ggml_type for w in ws}) != 1 or ws[0].ggml_type not in KERNEL_FORMATS:
         return False
-    if any(w.ndim != 2 or w.shape[1] != x_shape[-1] for w in ws) or not 0 < m <= GEMV_MAX_ROWS:
+    if any(w.ndim != 2 or w.shape[1] != x_shape[-1] for w in ws) or not 0 < m <= SKINNY_MAX_ROWS:
         return False
     if stacked and len({w.planes[next(iter(w.planes))].shape[0] for w in ws}) != 1:
         return False
@@ -309,7 +324,7 @@ def _quant_matmul_many(x, ws, layer, *, block_sizes, out_dtype, interpret, debug
     if fmt.has_offset:  # each sub-block's sum of x, for the offsets (Q4_K / Q5_K minimums)
         xs = xp.astype(jnp.float32).sum(axis=-1)
         x_inputs.append(xs)
-    splits = bs.splits or (1 if bs.block_m > GEMV_MAX_ROWS else
+    splits = bs.splits or (1 if bs.block_m > SKINNY_MAX_ROWS else
                            split_count((mp // bs.block_m) * sum(tile_counts), blocks // kb))
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")

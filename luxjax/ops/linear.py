@@ -144,7 +144,7 @@ def _packed_linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ..
     rows, stacked, interpret = x.reshape(-1, x.shape[-1]), layer is not None, backend.interpret()
     if _int8_takes(x.shape, tensors, layer):
         ys = quant_gemv_int8.int8_quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
-    elif quant_matmul.supported_many(x.shape, tensors, stacked):
+    elif rows.shape[0] <= _PALLAS_MAX_ROWS and quant_matmul.supported_many(x.shape, tensors, stacked):
         ys = quant_matmul.quant_matmul_many(materialize(rows), tensors, layer, out_dtype=out_dtype,
                                             interpret=interpret)
     else:
@@ -189,13 +189,13 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
         y = _int8_linear(x, w.stacked, w.index, out_dtype)
         if y is not None:
             return y
-        if not kernels.stacked_supported(x.shape, w.stacked):
+        if rows.shape[0] > _PALLAS_MAX_ROWS or not kernels.stacked_supported(x.shape, w.stacked):
             return _dequantized_linear(x, w.stacked, w.index, out_dtype)
         y = kernels.stacked_quant_matmul(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
     else:
         from pallas_kernels import dense_gemm, dense_gemv
 
-        if dense_gemv.supported(x.shape, w.stacked.shape, w.stacked.dtype):
+        if rows.shape[0] <= _PALLAS_MAX_ROWS and dense_gemv.supported(x.shape, w.stacked.shape, w.stacked.dtype):
             y = dense_gemv.stacked_gemv(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
         elif dense_gemm.supported(x.shape, w.stacked.shape, x.dtype, w.stacked.dtype):
             y = dense_gemm.stacked_gemm(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
@@ -212,7 +212,7 @@ def _fused_in_place_linear(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array,
     """x @ W[layer].T for several dense LayerSlices of one layer in one kernel launch, or None where it does not
     apply (packed weights, mixed dtypes or widths, more rows than a decode product, XLA chosen)."""
     if (len(ws) < 2 or not backend.use_pallas() or x.dtype not in _KERNEL_X_DTYPES
-            or not all(_is_dense_slice(w) for w in ws)):
+            or not all(_is_dense_slice(w) for w in ws) or math.prod(x.shape[:-1]) > _PALLAS_MAX_ROWS):
         return None
     from pallas_kernels import dense_gemv
 
@@ -373,7 +373,13 @@ def _split_products(x: jax.Array, ws, low_rows) -> tuple[jax.Array, ...]:
     partly = [rows > _PALLAS_MAX_ROWS and r < _out_features(w) for w, r in zip(ws, low_rows)]
     out = [_partly_split_product(hi, lo, w, r) if p else None for w, r, p in zip(ws, low_rows, partly)]
     rest = [i for i, y in enumerate(out) if y is None]
+    if rows <= _PALLAS_MAX_ROWS:  # decode: both parts in one launch where the kernels take them so
+        for i, y in zip(rest, _parts_one_launch(hi, lo, [ws[i] for i in rest])):
+            out[i] = y
+        rest = [i for i, y in enumerate(out) if y is None]
     rest_ws = [ws[i] for i in rest]
+    if not rest:
+        return tuple(out)
     if any(isinstance(w, (LayerSlice, QuantizedTensor)) for w in rest_ws) and rows <= _PALLAS_MAX_ROWS < 2 * rows:
         # both parts on the decode kernels: one call each rather than a stack too tall for them
         both = zip(linear_many(hi, rest_ws, jnp.float32), linear_many(lo, rest_ws, jnp.float32))
@@ -386,6 +392,75 @@ def _split_products(x: jax.Array, ws, low_rows) -> tuple[jax.Array, ...]:
     for i, both in zip(stacked, linear_many(jnp.stack([hi, lo]), [ws[i] for i in stacked], jnp.float32)):
         out[i] = both[0] + both[1]
     return tuple(out)
+
+
+def _part_groups(ws, rows: int) -> dict:
+    """Layer slices by kind (the ggml type of a packed one, the dtype of a dense one) and by the row tile its decode
+    kernel would give each alone at `rows` rows of x: {(kind, tile): (indices into ws, their stacked arrays)}. A
+    launch's weights share one row tile, so a weight of few rows (the DeltaNet's 48-row b and a) would hold its
+    group's larger weights to 16-row tiles: it takes a launch of its own."""
+    from pallas_kernels import dense_gemv, quant_matmul
+
+    groups = {}
+    for i, w in enumerate(ws):
+        out, k = w.stacked.shape[-2:]
+        if isinstance(w.stacked, QuantizedTensor):
+            kind = w.stacked.ggml_type
+            tiles = quant_matmul.BlockSizes.get_default(kind, rows) if kind in KERNEL_FORMATS else None
+            tile = min(tiles.block_n, out & -out) if tiles else 0
+        else:
+            kind, tiles = jnp.dtype(w.stacked.dtype), dense_gemv.BlockSizes.get_default(rows, out, k)
+            tile = tiles.block_n if tiles else 0
+        indices, arrays = groups.setdefault((kind, tile), ([], []))
+        indices.append(i)
+        arrays.append(w.stacked)
+    return groups
+
+
+def _one_launch_groups(rows: int, ws) -> list[tuple[list[int], list]]:
+    """The groups of ws (_part_groups) whose decode kernel takes both bf16 parts of `rows` rows of x stacked as 2 *
+    rows rows in one launch: layer slices of one layer (one index; none where they are not) taken at that many rows
+    by the fused kernel's skinny dot (packed, quant_matmul.SKINNY_MAX_ROWS) or by stacked_gemv (dense,
+    dense_gemv.PARTS_MAX_ROWS)."""
+    if not (backend.use_pallas() and ws and all(isinstance(w, LayerSlice) for w in ws)):
+        return []
+    if any(w.index is not ws[0].index for w in ws):
+        return []
+    from pallas_kernels import dense_gemv, quant_matmul
+
+    shape, fitting = (2 * rows, ws[0].stacked.shape[-1]), []
+    for indices, arrays in _part_groups(ws, 2 * rows).values():
+        if isinstance(arrays[0], QuantizedTensor):
+            fits = quant_matmul.supported_many(shape, tuple(arrays), stacked=True)
+        else:
+            fits = dense_gemv.supported_many(shape, [a.shape for a in arrays], [a.dtype for a in arrays])
+        if fits:
+            fitting.append((indices, arrays))
+    return fitting
+
+
+def _parts_one_launch(hi: jax.Array, lo: jax.Array, ws) -> list[jax.Array | None]:
+    """(hi + lo) @ W[layer].T in float32 for each of ws in a group of _one_launch_groups (None for the others): per
+    group one launch on both parts stacked as rows, so each weight is read (and a packed one decoded) once for both
+    (the 27B's IQ4_XS DeltaNet four at 16 rows on an H200: 2 x 160 us as two launches, 112 us as one with session
+    27's tiles; benchmarks/RESULTS.md)."""
+    from pallas_kernels import dense_gemv, quant_matmul
+
+    rows = math.prod(hi.shape[:-1])
+    out = [None] * len(ws)
+    groups = _one_launch_groups(rows, ws)
+    if not groups:
+        return out
+    both = jnp.concatenate([hi.reshape(rows, -1), lo.reshape(rows, -1)])
+    index, interpret = ws[0].index, backend.interpret()
+    for indices, arrays in groups:
+        if isinstance(arrays[0], QuantizedTensor):
+            ys = quant_matmul.quant_matmul_many(both, tuple(arrays), index, out_dtype=jnp.float32, interpret=interpret)
+        else:
+            ys = dense_gemv.stacked_gemv_many(both, tuple(arrays), index, out_dtype=jnp.float32, interpret=interpret)
+        for i, y in zip(indices, ys):
+            out[i] = (y[:rows] + y[rows:]).reshape(*hi.shape[:-1], y.shape[-1])
+    return out
 
 
 def _partly_split_product(hi: jax.Array, lo: jax.Array, w, low_rows: int) -> jax.Array:

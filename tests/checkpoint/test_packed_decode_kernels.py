@@ -1,9 +1,12 @@
 """Decode of a packed GGUF checkpoint through the Pallas decode kernels (interpreted, on any backend) against the
 same file through the XLA path, which dequantizes with exact products: the IQ4_XS, Q4_K_M and Q6_K fixtures,
 whose projections take the int8 GEMV (x in int8 levels, pallas_kernels/quant_gemv_int8.py), so the model-level
-effect of quantizing x is measured on real llama.cpp-written weights, not only on random kernel inputs."""
+effect of quantizing x is measured on real llama.cpp-written weights, not only on random kernel inputs; and 12
+sequences decoded together in bfloat16 (the fused kernel's tensor-core regime, a float32 x's two parts in one
+launch) against the XLA path."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -42,19 +45,28 @@ def decode_logits(model: luxjax.Model, ids: list[int], follow: list[int], *, pal
     caches = backend.init_cache(1, cache_length(len(ids), len(follow) + 1, backend.max_context))
     logits, caches = prefill_prompt(backend, caches, 0, prompt)
     out = [np.asarray(logits, np.float32).reshape(-1)]
-    jax.clear_caches()  # the kernel choice is made at trace time: trace the decode step afresh, and after
+    with kernels_chosen(monkeypatch, pallas_decode):
+        for i, token in enumerate(follow):
+            logits, caches = backend.decode(caches, np.array([token]), np.array([len(ids) + i]),
+                                            np.array([prompt.rope_delta]))
+            out.append(np.asarray(logits, np.float32).reshape(-1))
+    return np.stack(out)
+
+
+@contextlib.contextmanager
+def kernels_chosen(monkeypatch, pallas: bool):
+    """Inside: steps traced afresh with the Pallas kernels chosen (interpreted) or the XLA path. The kernel choice
+    is made at trace time, so jit's caches are cleared on entry and on exit (no later test may reuse a step traced
+    with the patched choice)."""
+    jax.clear_caches()
     try:
         with monkeypatch.context() as patch:
-            if pallas_decode:
+            if pallas:
                 patch.setattr(ops_backend, "use_pallas", lambda: True)
                 patch.setattr(ops_backend, "interpret", lambda: True)
-            for i, token in enumerate(follow):
-                logits, caches = backend.decode(caches, np.array([token]), np.array([len(ids) + i]),
-                                                np.array([prompt.rope_delta]))
-                out.append(np.asarray(logits, np.float32).reshape(-1))
+            yield
     finally:
-        jax.clear_caches()  # no later test may reuse a step traced with the patched choice
-    return np.stack(out)
+        jax.clear_caches()
 
 
 @pytest.mark.parametrize("quant", ["IQ4_XS", "Q4_K_M", "Q6_K"])
@@ -86,3 +98,55 @@ def test_packed_decode_through_the_int8_gemv_matches_xla(quant, monkeypatch, see
     top2 = np.sort(want[1:], axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 2 * DECODE_RTOL * scale  # the greedy token is decided, not a near-tie
     assert (got[1:].argmax(-1) == want[1:].argmax(-1))[clear].all(), f"{quant} seed {seed}: greedy tokens differ"
+
+
+SEQUENCES = 12  # decoded together: 12 rows of x at the skinny dot's 16, the DeltaNet's two float32 parts at its 32
+# Of the largest logit, both paths in bfloat16: each layer's activations are rounded to bf16 where the two paths add
+# in different orders, so they part by bf16 roundings, not by float32 ones. Measured on this machine's CPU (session
+# 27, seeds 3-7, 55 and two random): 6.5e-3 to 1.13e-2 for both files. Mutations of the two parts' sum (IQ4_XS, seed
+# 7): the low part dropped 3.2e-2, the low parts' rows crossed between sequences 0.14, the high part twice or its
+# rows crossed 1.4
+BATCH_BF16_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("quant", ["IQ4_XS", "Q4_K_M"])
+def test_packed_decode_of_several_sequences_in_bfloat16_matches_xla(quant, monkeypatch, seed):
+    """12 sequences decoded together in bfloat16 through the Pallas kernels (interpreted): the projections at 12 rows
+    take the fused kernel's skinny dot, the DeltaNet's float32 inputs their two bf16 parts in one launch
+    (ops.linear._parts_one_launch), against the same steps by the XLA path, each sequence's own prompt prefilled
+    into its own slot."""
+    from pallas_kernels import quant_matmul
+
+    rng = np.random.default_rng(seed)
+    model = luxjax.load(FIXTURES / f"tiny-qwen35-a-{quant}.gguf", dtype="bfloat16", progress=False)
+    backend = model.backend
+    vocab = min(backend.vocab_size, 5000)
+    prompts = [rng.integers(0, vocab, int(rng.integers(3, 12))).tolist() for _ in range(SEQUENCES)]
+    follow = rng.integers(0, vocab, (2, SEQUENCES))
+    caches = backend.init_cache(SEQUENCES, cache_length(max(map(len, prompts)), len(follow) + 1, backend.max_context))
+    deltas = []
+    for slot, ids in enumerate(prompts):
+        prompt = backend.prompt_from_ids(ids, None)
+        _, caches = prefill_prompt(backend, caches, slot, prompt)
+        deltas.append(prompt.rope_delta)
+    launches = []
+    real = quant_matmul.quant_matmul_many
+    monkeypatch.setattr(quant_matmul, "quant_matmul_many", lambda x, *a, **k: launches.append(x.shape[0]) or real(
+        x, *a, **k))
+
+    def steps(pallas: bool) -> np.ndarray:
+        out, state = [], jax.tree.map(lambda a: a.copy(), caches)  # decode donates its caches
+        with kernels_chosen(monkeypatch, pallas):
+            for i, tokens in enumerate(follow):
+                cached = np.array([len(ids) + i for ids in prompts], np.int32)
+                logits, state = backend.decode(state, tokens.astype(np.int32), cached, np.array(deltas, np.int32))
+                out.append(np.asarray(logits, np.float32))
+        return np.stack(out)
+
+    want = steps(pallas=False)
+    assert not launches, "the XLA path must not take the fused kernel"
+    got = steps(pallas=True)
+    assert 2 * SEQUENCES in launches, f"no launch took both parts of the DeltaNet's x: launches of {launches} rows"
+    diff, scale = np.abs(got - want).max(), np.abs(want).max()
+    print(f"{quant} seed {seed}: {SEQUENCES} sequences, bf16 decode vs XLA, max |logit diff| {diff:.2e} of {scale:.1f}")
+    assert diff <= BATCH_BF16_RTOL * scale, f"{quant} seed {seed}: decode logits differ by {diff:.2e} of {scale:.1f}"

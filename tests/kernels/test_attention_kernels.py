@@ -105,6 +105,7 @@ def test_gated_decode_fused_declines_what_its_kernels_cannot_take(monkeypatch):
     assert attention.gated_decode_fused(*caches(2, 64), 4, 64, 64)  # rotary over the whole head
     declined = {"head dim 96": (caches(2, 96), 4, 96, 32), "rotary halves of 12": (caches(2, 64), 4, 64, 24),
                 "rotary wider than the head": (caches(2, 64), 4, 64, 128), "5 q heads on 2": (caches(2, 64), 5, 64, 16),
+                "odd rotary width 17": (caches(2, 64), 4, 64, 17),
                 "caches as arrays": ((jnp.zeros((1, 8, 2, 64)),) * 2, 4, 64, 16)}
     for why, (kv, heads, d, rd) in declined.items():
         assert not attention.gated_decode_fused(*kv, heads, d, rd), why

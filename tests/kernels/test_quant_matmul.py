@@ -19,9 +19,11 @@ from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_m
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 F16_OFFSETS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
-# (rows of x, out, in, x dtype): GEMV reduce (1, 2, 3), skinny dot (9, 16), tiled GEMM (20); odd out pads the tile.
+# (rows of x, out, in, x dtype): GEMV reduce (1, 2, 3), skinny dot at 16 rows (9, 16) and at 32 (20), tiled GEMM
+# (40); odd out pads the tile.
 CASES = [(1, 67, 512, jnp.float32), (2, 48, 2048, jnp.bfloat16), (3, 64, 768, jnp.bfloat16),
-         (9, 40, 512, jnp.bfloat16), (16, 97, 256, jnp.float32), (20, 160, 512, jnp.bfloat16)]
+         (9, 40, 512, jnp.bfloat16), (16, 97, 256, jnp.float32), (20, 160, 512, jnp.bfloat16),
+         (40, 64, 512, jnp.bfloat16)]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # of sum |x||w|: float32 accumulation / bf16 rounding of W and y
 
 

@@ -25,7 +25,7 @@ def stack(weights):
     return jax.tree.map(lambda *a: jnp.stack(a), *weights)
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 27])  # 27: the dot at 32 rows (both parts of a float32 x)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("out,k", [(48, 80), (64, 1536)])
 def test_stacked_gemv_reads_the_chosen_layer(m, dtype, out, k, seed, interpret):
@@ -263,6 +263,49 @@ def test_linear_many_projects_one_input_in_one_launch(monkeypatch, seed, x_dtype
     mixed = [sliced[0], LayerSlice(stack([packed] * layers), jnp.int32(layer))]
     linear_mod.linear_many(jnp.ones((1, k), x_dtype), mixed)
     assert not any(launches), "a packed weight among them: no fused launch"
+
+
+@pytest.mark.parametrize("weight", ["Q4_K", "IQ4_XS", "bf16"])
+def test_split_linear_takes_both_parts_in_one_launch(monkeypatch, seed, weight):
+    """split_linear_many at 5-16 rows of float32 x on layer slices of one layer (the decoder's DeltaNet projections
+    at batch 5-16): both bf16 parts of x stacked as 10-32 rows in one decode-kernel launch (the fused kernel's skinny
+    dot for packed weights, stacked_gemv for bf16; each weight read once) for the weights whose rows take the
+    kernel's full row tile and one for the 48-row weight; an 8-row weight, which no decode kernel tiles, goes its
+    old way. Every output within float32 rounding of float64 x times W as the bf16 products see it (packed W decoded
+    and rounded to bf16), 20x closer than the product of x rounded to bf16."""
+    from pallas_kernels import dense_gemv, quant_matmul
+
+    rng = np.random.default_rng(seed)
+    layers, k, outs = 3, 512, (128, 48, 64, 8)
+    layer = int(rng.integers(0, layers))
+    if weight == "bf16":
+        stacked = [jnp.asarray(rng.standard_normal((layers, out, k)), jnp.bfloat16) for out in outs]
+        w64 = [np.asarray(a[layer].astype(jnp.float32), np.float64) for a in stacked]
+        module, kernel = dense_gemv, "stacked_gemv_many"
+    else:
+        pairs = [[random_weight(rng, T[weight], out, k) for _ in range(layers)] for out in outs]
+        stacked = [stack([w for w, _ in per]) for per in pairs]
+        w64 = [np.asarray(jnp.asarray(per[layer][1], jnp.bfloat16).astype(jnp.float32), np.float64) for per in pairs]
+        module, kernel = quant_matmul, "quant_matmul_many"
+    index = jnp.int32(layer)  # one index: the slices of one layer, as the decoder's scan gives them
+    sliced = [LayerSlice(a, index) for a in stacked]
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    monkeypatch.setattr(backend, "interpret", lambda: True)
+    launches = []
+    real = getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, lambda x, *a, **kw: launches.append(x.shape[0]) or real(x, *a, **kw))
+    for rows in (5, int(rng.integers(9, 17))):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+        launches.clear()
+        got = linear_mod.split_linear_many(jnp.asarray(x), sliced)
+        assert launches == [2 * rows] * 2, f"rows {rows}: launches of {launches} rows, want two of {2 * rows}"
+        for y, w, out in zip(got, w64, outs):
+            exact = x.astype(np.float64) @ w.T
+            err = np.abs(np.asarray(y, np.float64) - exact).max()
+            bf16_err = np.abs(x_bf16 @ w.T - exact).max()
+            scale = (np.abs(x.astype(np.float64)) @ np.abs(w).T).max()
+            assert err <= 2e-5 * scale and err < bf16_err / 20, (weight, rows, out, seed, err, bf16_err)
 
 
 @pytest.mark.parametrize("weight", ["bf16", "Q4_K", "bf16 stacked", "Q4_K stacked"])

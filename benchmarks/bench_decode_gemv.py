@@ -21,7 +21,6 @@ import functools
 import itertools
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -269,8 +268,8 @@ def skinny_sweep(formats, deadline: float, key) -> list[dict]:
     rows = _time_skinny("IQ4_XS", 17408, 5120, 16, stacked, layers, nbytes,
                         [qm._stacked_block_sizes(T.IQ4_XS, 16, 17408), *grid], deadline, key)
     del stacked
-    best = sorted((r for r in rows if not r["default"]), key=lambda r: r["ms"])[:3]
-    best_tiles = [tuple(int(v) for v in re.findall(r"=(\d+)", r["block_sizes"])[:5]) for r in best]
+    by_name = {str(bs): bs for bs in grid}
+    best = [by_name[r["block_sizes"]] for r in sorted((r for r in rows if not r["default"]), key=lambda r: r["ms"])[:3]]
     for fmt in formats:
         for out, k in ((17408, 5120), (5120, 17408)):
             if (fmt, out) == ("IQ4_XS", 17408):
@@ -278,7 +277,7 @@ def skinny_sweep(formats, deadline: float, key) -> list[dict]:
             stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
             block = GGML_QUANT_SIZES[T[fmt]][0]
             variants = [qm._stacked_block_sizes(T[fmt], 16, out)] + [
-                qm.BlockSizes(m, bn, max(1, bk * 256 // block), w, st) for m, bn, bk, w, st in best_tiles]
+                dataclasses.replace(bs, blocks_k=max(1, bs.blocks_k * 256 // block)) for bs in best]
             rows += _time_skinny(fmt, out, k, 16, stacked, layers, nbytes, variants, deadline, key)
             del stacked
     return rows

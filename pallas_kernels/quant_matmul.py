@@ -79,9 +79,9 @@ class BlockSizes:
                        x_float32=True if wide else None)
         if m <= SKINNY_MAX_ROWS:
             values, stages = _SKINNY_TILES[ggml_type]
-            wide = m > GEMV_MAX_ROWS
-            return cls(SKINNY_MAX_ROWS if wide else GEMV_MAX_ROWS, 64 if wide else 32, max(1, values // block), 4,
-                       stages)
+            both_parts = m > GEMV_MAX_ROWS  # a float32 x's two bf16 parts (ops.linear)
+            return cls(SKINNY_MAX_ROWS if both_parts else GEMV_MAX_ROWS, 64 if both_parts else 32,
+                       max(1, values // block), 4, stages)
         return cls(64, 128, max(1, 64 // block), 4, 3)
 
 

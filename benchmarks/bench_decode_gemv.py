@@ -221,22 +221,46 @@ SKINNY_GRID = list(itertools.product((32, 64, 128), (256, 512), (4, 8), (1, 3)))
 
 
 # (format, out, in, rows of x) for --skinny-check: the 27B's DeltaNet products at 32 rows (both bf16 parts of 16
-# float32 rows in one launch), and the formats the --skinny-sweep grid left out
+# float32 rows in one launch), its MLP's at 32 rows (a decode step of 32 sequences), and the formats the
+# --skinny-sweep grid left out
 SKINNY_CHECKS = [("IQ4_XS", 16384, 5120, 32), ("IQ4_XS", 5120, 6144, 32), ("Q4_K", 16384, 5120, 32),
-                 ("Q6_K", 5120, 6144, 32), ("Q5_K", 5120, 17408, 16), ("Q8_0", 17408, 5120, 16)]
+                 ("Q6_K", 5120, 6144, 32), ("IQ4_XS", 17408, 5120, 32), ("IQ4_XS", 5120, 17408, 32),
+                 ("Q4_K", 17408, 5120, 32), ("Q5_K", 5120, 17408, 16), ("Q8_0", 17408, 5120, 16)]
 
 
 def skinny_check(deadline: float, key) -> list[dict]:
-    """The skinny dot's default tiles on SKINNY_CHECKS against one change each (3 stages, 64 output rows, half and
-    twice the K step, 8 warps)."""
+    """The skinny dot's default tiles on SKINNY_CHECKS against one change each (3 stages, 32, 64 or 128 output
+    rows, half and twice the K step, 8 warps)."""
     rows = []
     for fmt, out, k, m in SKINNY_CHECKS:
         stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
         default = qm._stacked_block_sizes(T[fmt], m, out)
-        variants = [default, dataclasses.replace(default, num_stages=3), dataclasses.replace(default, block_n=64),
+        variants = [default, dataclasses.replace(default, num_stages=3),
+                    *(dataclasses.replace(default, block_n=n) for n in (32, 64, 128)),
                     dataclasses.replace(default, blocks_k=max(1, default.blocks_k // 2)),
                     dataclasses.replace(default, blocks_k=2 * default.blocks_k),
                     dataclasses.replace(default, num_warps=8)]
+        rows += _time_skinny(fmt, out, k, m, stacked, layers, nbytes, list(dict.fromkeys(variants)), deadline, key)
+        del stacked
+    return rows
+
+
+# (format, out, in, rows of x) for --skinny-splits: the 27B's decode products at 16 and 32 rows
+SKINNY_SPLIT_CASES = [("IQ4_XS", 17408, 5120, 32), ("IQ4_XS", 5120, 17408, 32), ("IQ4_XS", 16384, 5120, 32),
+                      ("IQ4_XS", 5120, 6144, 32), ("Q4_K", 17408, 5120, 32), ("IQ4_XS", 17408, 5120, 16),
+                      ("IQ4_XS", 5120, 17408, 16)]
+
+
+def skinny_splits(deadline: float, key) -> list[dict]:
+    """The skinny dot's default tiles on SKINNY_SPLIT_CASES at one and two blocks a K step, each with K split 1, 2,
+    4 and 8 ways and the default split count (dense_gemv.split_count: K split until there are two programs a
+    multiprocessor)."""
+    rows = []
+    for fmt, out, k, m in SKINNY_SPLIT_CASES:
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        default = qm._stacked_block_sizes(T[fmt], m, out)
+        variants = [default] + [dataclasses.replace(default, blocks_k=kb, splits=s)
+                                for kb in (1, 2) for s in (None, 1, 2, 4, 8)]
         rows += _time_skinny(fmt, out, k, m, stacked, layers, nbytes, list(dict.fromkeys(variants)), deadline, key)
         del stacked
     return rows
@@ -262,7 +286,8 @@ def _time_skinny(fmt, out, k, m, stacked, layers, nbytes, variants, deadline, ke
 
 def skinny_sweep(formats, deadline: float, key) -> list[dict]:
     """The fused kernel's tensor-core regime (5 to 16 rows of bf16 x) at other tiles than its default: the whole grid
-    on IQ4_XS 17408 x 5120 at 16 rows, then the default and the three fastest there on every format and shape."""
+    on IQ4_XS 17408 x 5120 at 16 rows, then the default and the three fastest there on every format and shape. The
+    grid's K splits follow dense_gemv.MIN_PROGRAMS; --skinny-splits times the split counts."""
     stacked, layers, nbytes = stacked_weight("IQ4_XS", 17408, 5120, key)
     grid = [qm.BlockSizes(16, bn, max(1, v // 256), w, st) for bn, v, w, st in SKINNY_GRID]
     rows = _time_skinny("IQ4_XS", 17408, 5120, 16, stacked, layers, nbytes,
@@ -540,6 +565,8 @@ def main():
                     help="only the fused kernel's tensor-core regime (16 rows) at other tiles than its default")
     ap.add_argument("--skinny-check", action="store_true",
                     help="only the skinny dot's default tiles against one change each on SKINNY_CHECKS")
+    ap.add_argument("--skinny-splits", action="store_true",
+                    help="only the skinny dot's K split counts at 16 and 32 rows (SKINNY_SPLIT_CASES)")
     ap.add_argument("--group-tiles", help="block sizes for --stream-sweep's grouped products, e.g. 16,2,8,1,1 "
                                           "(block_n, blocks_k, warps, prefetch, tiles); default: the best of the sweep")
     ap.add_argument("--json")
@@ -551,9 +578,10 @@ def main():
     print(f"copy ceiling {ceiling:.0f} GB/s, read {read:.0f} GB/s on {jax.devices()[0].device_kind}", flush=True)
     product = [("format", lambda r: r["format"]), ("out x in", lambda r: f"{r['out']}x{r['in']}"),
                ("rows", lambda r: r["m"]), ("x", lambda r: r["x"])]
-    if args.skinny_sweep or args.skinny_check:
+    if args.skinny_sweep or args.skinny_check or args.skinny_splits:
         formats = [f for f in args.formats.split(",") if f != "bf16"]
         rows = (skinny_check(start + args.seconds, key) if args.skinny_check
+                else skinny_splits(start + args.seconds, key) if args.skinny_splits
                 else skinny_sweep(formats, start + args.seconds, key))
         write_rows(args.json, rows)
         print_table(sorted(rows, key=lambda r: (r["format"], r["out"], r["ms"])),

@@ -40,7 +40,7 @@ from luxjax.checkpoint.quants import QuantizedTensor, dequantize
 from luxjax.ops import backend
 from pallas_kernels import byte_perm
 from pallas_kernels.dense_gemv import (
-    per_weight_tile, split_count, split_out_shape, sum_splits, weight_out_specs)
+    MIN_PROGRAMS, per_weight_tile, split_count, split_out_shape, sum_splits, weight_out_specs)
 from pallas_kernels.fma import fma
 from pallas_kernels.quant_decode import KERNEL_CONSTANTS, KERNEL_FORMATS, in_kernel_order, kernel_magic
 
@@ -58,6 +58,7 @@ class BlockSizes:
     num_stages: int
     splits: int | None = None  # programs sharing one row tile, each over a 1/splits of K (None: enough for the GPU)
     x_float32: bool | None = None  # GEMV reduce: x widened to float32 before the kernel (None: for one row of x)
+    min_programs: int | None = None  # where splits is None, K is split until this many programs (None: MIN_PROGRAMS)
 
     @property
     def widens_x(self) -> bool:
@@ -78,10 +79,10 @@ class BlockSizes:
             return cls(m, block_n, max(1, values // (block * (1 if m <= 2 else 2))), warps, 3,
                        x_float32=True if wide else None)
         if m <= SKINNY_MAX_ROWS:
-            values, stages = _SKINNY_TILES[ggml_type]
-            both_parts = m > GEMV_MAX_ROWS  # a float32 x's two bf16 parts (ops.linear)
+            values, stages, min_programs = _SKINNY_TILES[ggml_type]
+            both_parts = m > GEMV_MAX_ROWS  # a float32 x's two bf16 parts, or 17-32 sequences (ops.linear)
             return cls(SKINNY_MAX_ROWS if both_parts else GEMV_MAX_ROWS, 64 if both_parts else 32,
-                       max(1, values // block), 4, stages)
+                       max(1, values // block), 4, stages, min_programs=min_programs)
         return cls(64, 128, max(1, 64 // block), 4, 3)
 
 
@@ -91,16 +92,22 @@ _GEMV_TILES = {T.IQ4_XS: (8, 1024, 8), T.Q4_K: (16, 512, 4), T.Q5_K: (8, 1024, 8
 # of x): kernel times from a profiler trace on an H200, 17408 x 5120 and 5120 x 17408 (2026-12-01,
 # benchmarks/RESULTS.md).
 _FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8), (T.Q4_K, 2): (16, 1024, 8), (T.Q6_K, 1): (16, 1024, 8)}
-# The skinny dot's (values per K step, stages) per format, at 32 output rows a program (64 at 32 rows of x) and 4
-# warps: the fastest on an H200 (bench_decode_gemv.py --skinny-sweep and --skinny-check, session 27), GPU us a
-# layer at 16 rows of bf16 x, 17408 x 5120 / 5120 x 17408: IQ4_XS 79.2 / 78.6 at 512 values and one stage against
-# 126.8 / 129.1 at 256 values and 3 stages (the previous default); Q4_K 75.7 / 82.4 against 93.1 / 95.9 at 3
-# stages; Q6_K 91.2 / 102.3 against 95.7 / 101.6. Q5_K (5120 x 17408) and Q8_0 (17408 x 5120) keep 3 stages: 108.9
-# and 77.2 against 132.3 and 85.0 at one. 8 warps measured slower, and 64 output rows at 16 rows of x (but for IQ4_XS
-# 5120 x 17408: 74.1); at 32 rows of x (both parts of 16 float32 rows) 64 output rows won: IQ4_XS 16384 x 5120 66.5
-# against 90.3 at 32, 5120 x 6144 35.4 against 48.0; Q4_K 16384 x 5120 74.9 against 93.9; Q6_K 5120 x 6144 41.8
-# against 51.9.
-_SKINNY_TILES = {T.IQ4_XS: (512, 1), T.Q4_K: (512, 1), T.Q6_K: (256, 1), T.Q5_K: (512, 3), T.Q8_0: (512, 3)}
+# The skinny dot's (values per K step, stages, programs K splits aim for) per format, at 32 output rows a program (64
+# at 32 rows of x) and 4 warps: the fastest on an H200 (bench_decode_gemv.py --skinny-sweep and --skinny-check,
+# session 27), GPU us a layer at 16 rows of bf16 x, 17408 x 5120 / 5120 x 17408: IQ4_XS 79.2 / 78.6 at 512 values
+# and one stage against 126.8 / 129.1 at 256 values and 3 stages (the previous default); Q4_K 75.7 / 82.4 against
+# 93.1 / 95.9 at 3 stages; Q6_K 91.2 / 102.3 against 95.7 / 101.6. Q5_K (5120 x 17408) and Q8_0 (17408 x 5120) keep
+# 3 stages: 108.9 and 77.2 against 132.3 and 85.0 at one. 8 warps measured slower, and 64 output rows at 16 rows of
+# x (but for IQ4_XS 5120 x 17408: 74.1); at 32 rows of x (both parts of 16 float32 rows) 64 output rows won: IQ4_XS
+# 16384 x 5120 66.5 against 90.3 at 32, 5120 x 6144 35.4 against 48.0; Q4_K 16384 x 5120 74.9 against 93.9; Q6_K
+# 5120 x 6144 41.8 against 51.9. Then (--skinny-splits, session 28) more, shorter programs: a program runs its
+# whole K, so few programs leave a last wave nearly empty (IQ4_XS 17408 x 5120 at 32 rows: 544 programs 95.5 us,
+# 16384 x 5120's 512 programs 66.1). IQ4_XS and Q4_K at 256 values a step with K split up to 2,048 programs:
+# IQ4_XS 17408 x 5120 at 16 rows 79.0 -> 58.8 us, 5120 x 17408 77.7 -> 68.6; at 32 rows 117.0 -> 73.9, 114.9 ->
+# 85.2, 5120 x 6144 35.4 -> 26.9, 16384 x 5120 66.3 -> 71.7 (the one loss); Q4_K 17408 x 5120 at 32 rows 119.7 ->
+# 79.0. The other formats keep MIN_PROGRAMS (not measured).
+_SKINNY_TILES = {T.IQ4_XS: (256, 1, 2048), T.Q4_K: (256, 1, 2048), T.Q6_K: (256, 1, None), T.Q5_K: (512, 3, None),
+                 T.Q8_0: (512, 3, None)}
 
 
 def blocks_per_step(blocks: int, wanted: int) -> int:
@@ -325,7 +332,8 @@ def _quant_matmul_many(x, ws, layer, *, block_sizes, out_dtype, interpret, debug
         xs = xp.astype(jnp.float32).sum(axis=-1)
         x_inputs.append(xs)
     splits = bs.splits or (1 if bs.block_m > SKINNY_MAX_ROWS else
-                           split_count((mp // bs.block_m) * sum(tile_counts), blocks // kb))
+                           split_count((mp // bs.block_m) * sum(tile_counts), blocks // kb,
+                                       bs.min_programs or MIN_PROGRAMS))
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
 

@@ -1,10 +1,10 @@
 """y = x @ W.T for dense or packed quantized weights, and embedding lookups.
 
 `_impl` is the single dispatch point: packed weights in a format with a fused kernel, with at most
-_PALLAS_MAX_ROWS rows of x (decode), go to the Pallas dequantize-matmul when luxjax.ops.backend chooses Pallas
-(GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS, Q4_K, Q5_K and Q6_K at 1..4 rows where
-the GPU has integer dot products (CUDA), to the int8 GEMV (pallas_kernels/quant_gemv_int8.py: x in int8 levels;
-LUXJAX_INT8_GEMV=off declines it);
+quant_matmul.SKINNY_MAX_ROWS (32) rows of x (decode, up to 32 sequences), go to the Pallas dequantize-matmul when
+luxjax.ops.backend chooses Pallas (GPU by default, LUXJAX_KERNELS overrides), or, for IQ4_XS, Q4_K, Q5_K and Q6_K at
+1..4 rows where the GPU has integer dot products (CUDA), to the int8 GEMV (pallas_kernels/quant_gemv_int8.py: x in
+int8 levels; LUXJAX_INT8_GEMV=off declines it);
 larger products of packed weights decode them with the Pallas dequantize kernel and run one vendor GEMM (the
 fused GEMM measured 116 TFLOP/s on an H200 (Q8_0, M=1024) where cuBLAS on bf16 runs near 700); everything else
 takes the XLA path, which dequantizes inside the jitted graph and is the kernels' oracle.
@@ -28,7 +28,7 @@ from luxjax.ops import backend
 from luxjax.ops.deferred import Deferred, GatedInput, materialize
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
-_PALLAS_MAX_ROWS = 16  # the streaming GEMV regime of quant_matmul
+_PALLAS_MAX_ROWS = 16  # decode-sized products of dense weights (dense_gemv); packed ones: quant_matmul's own limit
 _KERNEL_X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # x dtypes the matmul kernels take
 
 
@@ -144,7 +144,7 @@ def _packed_linear_many(x: jax.Array, ws, out_dtype=None) -> tuple[jax.Array, ..
     rows, stacked, interpret = x.reshape(-1, x.shape[-1]), layer is not None, backend.interpret()
     if _int8_takes(x.shape, tensors, layer):
         ys = quant_gemv_int8.int8_quant_matmul_many(rows, tensors, layer, out_dtype=out_dtype, interpret=interpret)
-    elif rows.shape[0] <= _PALLAS_MAX_ROWS and quant_matmul.supported_many(x.shape, tensors, stacked):
+    elif quant_matmul.supported_many(x.shape, tensors, stacked):
         ys = quant_matmul.quant_matmul_many(materialize(rows), tensors, layer, out_dtype=out_dtype,
                                             interpret=interpret)
     else:
@@ -173,9 +173,18 @@ def _dequantize_kernel_takes(w: QuantizedTensor, dtype, layer) -> bool:
 
 
 def _kernel_applies(x: jax.Array, w: Weight) -> bool:
+    """Whether x @ W.T goes to the fused dequantize-matmul (or the int8 GEMV): packed W in a kernel format and
+    decode-sized x (_kernel_takes_rows)."""
     return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS and w.ndim == 2
-            and 0 < math.prod(x.shape[:-1]) <= _PALLAS_MAX_ROWS
-            and x.dtype in _KERNEL_X_DTYPES and backend.use_pallas())
+            and x.dtype in _KERNEL_X_DTYPES and backend.use_pallas() and _kernel_takes_rows(math.prod(x.shape[:-1])))
+
+
+def _kernel_takes_rows(rows: int) -> bool:
+    """Whether `rows` rows of x times a packed weight are decode-sized: at most the fused kernel's skinny dot's 32
+    (a decode step of up to 32 sequences); past them, decoding W once for a GEMM wins."""
+    from pallas_kernels.quant_matmul import SKINNY_MAX_ROWS  # Pallas imports only once Pallas is chosen
+
+    return 0 < rows <= SKINNY_MAX_ROWS
 
 
 def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array | None:
@@ -189,7 +198,7 @@ def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array |
         y = _int8_linear(x, w.stacked, w.index, out_dtype)
         if y is not None:
             return y
-        if rows.shape[0] > _PALLAS_MAX_ROWS or not kernels.stacked_supported(x.shape, w.stacked):
+        if not kernels.stacked_supported(x.shape, w.stacked):
             return _dequantized_linear(x, w.stacked, w.index, out_dtype)
         y = kernels.stacked_quant_matmul(rows, w.stacked, w.index, out_dtype=out_dtype, interpret=backend.interpret())
     else:
@@ -465,10 +474,13 @@ def _parts_one_launch(hi: jax.Array, lo: jax.Array, ws) -> list[jax.Array | None
 
 def _partly_split_product(hi: jax.Array, lo: jax.Array, w, low_rows: int) -> jax.Array:
     """hi @ W.T + lo @ W[:low_rows].T, float32, for low_rows below W's rows: the low part's GEMM on the leading
-    rows only."""
+    rows only. A packed W is decoded once for both GEMMs where x has more rows than the fused kernel's skinny dot
+    takes; with fewer (a decode step of 17-32 sequences) each product takes that kernel on the packed bytes (an
+    IQ4_XS 27B decode of 32 sequences on an H200: the DeltaNet's q, k, v for both parts 108 us a layer as the
+    dequantize kernel, a slice copy and two GEMMs, 92 us as two skinny dots and the leading rows' copy)."""
     if low_rows == 0:
         return linear(hi, w, jnp.float32)
-    decoded = _decoded_for_prefill(w)
+    decoded = _decoded_for_prefill(w, math.prod(hi.shape[:-1]))
     if decoded is not None:  # decoded once for both GEMMs
         w, leading = decoded, decoded[:low_rows]
     else:
@@ -477,15 +489,16 @@ def _partly_split_product(hi: jax.Array, lo: jax.Array, w, low_rows: int) -> jax
     return jnp.concatenate([y[..., :low_rows] + y_lo, y[..., low_rows:]], axis=-1)
 
 
-def _decoded_for_prefill(w) -> jax.Array | None:
-    """Packed w (or its layer) as the bf16 matrix a prefill-sized product reads, decoded by the Pallas dequantize
-    kernel (in W's own column order), or None where prefill does not take that path (dense w, XLA chosen, formats
-    without the kernel)."""
+def _decoded_for_prefill(w, rows: int) -> jax.Array | None:
+    """Packed w (or its layer) as the bf16 matrix a prefill-sized product of `rows` rows reads, decoded by the Pallas
+    dequantize kernel (in W's own column order), or None where the product does not take that path (dense w, XLA
+    chosen, formats without the kernel, decode-sized rows)."""
     packed = _packed_layer(w)
     if packed is None:
         return None
     base, layer = packed
-    if not _dequantize_kernel_takes(base, jnp.bfloat16, layer):
+    decode_sized = base.ggml_type in KERNEL_FORMATS and _kernel_takes_rows(rows)  # the fused kernel's instead
+    if decode_sized or not _dequantize_kernel_takes(base, jnp.bfloat16, layer):
         return None
     from pallas_kernels import quant_dequantize
 

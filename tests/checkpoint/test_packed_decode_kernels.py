@@ -100,30 +100,35 @@ def test_packed_decode_through_the_int8_gemv_matches_xla(quant, monkeypatch, see
     assert (got[1:].argmax(-1) == want[1:].argmax(-1))[clear].all(), f"{quant} seed {seed}: greedy tokens differ"
 
 
-SEQUENCES = 12  # decoded together: 12 rows of x at the skinny dot's 16, the DeltaNet's two float32 parts at its 32
+# Sequences decoded together: 12 (12 rows of x at the skinny dot's 16, the DeltaNet's two float32 parts in one launch
+# at its 32) and 24 (24 rows at its 32, where they went to the dequantize kernel and a GEMM before session 28)
+SEQUENCES = (12, 24)
 # Of the largest logit, both paths in bfloat16: each layer's activations are rounded to bf16 where the two paths add
 # in different orders, so they part by bf16 roundings, not by float32 ones. Measured on this machine's CPU (session
-# 27, seeds 3-7, 55 and two random): 6.5e-3 to 1.13e-2 for both files. Mutations of the two parts' sum (IQ4_XS, seed
-# 7): the low part dropped 3.2e-2, the low parts' rows crossed between sequences 0.14, the high part twice or its
-# rows crossed 1.4
+# 27, seeds 3-7, 55 and two random): 6.5e-3 to 1.13e-2 for both files; with session 28's skinny tiles (K split
+# further) 6.2e-3 to 1.36e-2 at 12 and 24 sequences (seeds 3-7, 55 and four random). Mutations of the two parts' sum
+# (IQ4_XS, seed 7): the low part dropped 3.2e-2, the low parts' rows crossed between sequences 0.14, the high part
+# twice or its rows crossed 1.4; at 24 sequences the kernel path's low part of q and k dropped 2.3e-2
 BATCH_BF16_RTOL = 2e-2
 
 
+@pytest.mark.parametrize("sequences", SEQUENCES)
 @pytest.mark.parametrize("quant", ["IQ4_XS", "Q4_K_M"])
-def test_packed_decode_of_several_sequences_in_bfloat16_matches_xla(quant, monkeypatch, seed):
-    """12 sequences decoded together in bfloat16 through the Pallas kernels (interpreted): the projections at 12 rows
-    take the fused kernel's skinny dot, the DeltaNet's float32 inputs their two bf16 parts in one launch
-    (ops.linear._parts_one_launch), against the same steps by the XLA path, each sequence's own prompt prefilled
-    into its own slot."""
-    from pallas_kernels import quant_matmul
+def test_packed_decode_of_several_sequences_in_bfloat16_matches_xla(quant, sequences, monkeypatch, seed):
+    """12 or 24 sequences decoded together in bfloat16 through the Pallas kernels (interpreted): the projections take
+    the fused kernel's skinny dot (at 12, the DeltaNet's float32 inputs their two bf16 parts in one launch:
+    ops.linear._parts_one_launch; at 24 no weight the skinny dot tiles is decoded to a bf16 matrix: only the
+    fixtures' 4-row DeltaNet b and a are), against the same steps by the XLA path, each sequence's own prompt
+    prefilled into its own slot."""
+    from pallas_kernels import quant_dequantize, quant_matmul
 
     rng = np.random.default_rng(seed)
     model = luxjax.load(FIXTURES / f"tiny-qwen35-a-{quant}.gguf", dtype="bfloat16", progress=False)
     backend = model.backend
     vocab = min(backend.vocab_size, 5000)
-    prompts = [rng.integers(0, vocab, int(rng.integers(3, 12))).tolist() for _ in range(SEQUENCES)]
-    follow = rng.integers(0, vocab, (2, SEQUENCES))
-    caches = backend.init_cache(SEQUENCES, cache_length(max(map(len, prompts)), len(follow) + 1, backend.max_context))
+    prompts = [rng.integers(0, vocab, int(rng.integers(3, 12))).tolist() for _ in range(sequences)]
+    follow = rng.integers(0, vocab, (2, sequences))
+    caches = backend.init_cache(sequences, cache_length(max(map(len, prompts)), len(follow) + 1, backend.max_context))
     deltas = []
     for slot, ids in enumerate(prompts):
         prompt = backend.prompt_from_ids(ids, None)
@@ -145,8 +150,16 @@ def test_packed_decode_of_several_sequences_in_bfloat16_matches_xla(quant, monke
 
     want = steps(pallas=False)
     assert not launches, "the XLA path must not take the fused kernel"
+    decoded = []
+    real_decode = quant_dequantize.dequantize_in_kernel_order
+    monkeypatch.setattr(quant_dequantize, "dequantize_in_kernel_order", lambda *a, **k: decoded.append(a[0]) or
+                        real_decode(*a, **k))
     got = steps(pallas=True)
-    assert 2 * SEQUENCES in launches, f"no launch took both parts of the DeltaNet's x: launches of {launches} rows"
+    if sequences <= quant_matmul.GEMV_MAX_ROWS:
+        assert 2 * sequences in launches, f"no launch took both parts of the DeltaNet's x: launches of {launches} rows"
+    else:
+        tileable = [w.shape for w in decoded if quant_matmul.stacked_supported((sequences, w.shape[1]), w)]
+        assert sequences in launches and not tileable, f"launches of {launches} rows; decoded, tileable: {tileable}"
     diff, scale = np.abs(got - want).max(), np.abs(want).max()
-    print(f"{quant} seed {seed}: {SEQUENCES} sequences, bf16 decode vs XLA, max |logit diff| {diff:.2e} of {scale:.1f}")
+    print(f"{quant} seed {seed}: {sequences} sequences, bf16 decode vs XLA, max |logit diff| {diff:.2e} of {scale:.1f}")
     assert diff <= BATCH_BF16_RTOL * scale, f"{quant} seed {seed}: decode logits differ by {diff:.2e} of {scale:.1f}"

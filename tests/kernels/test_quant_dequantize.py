@@ -16,6 +16,7 @@ from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import quant_dequantize as qd
+from pallas_kernels.quant_matmul import SKINNY_MAX_ROWS
 from test_quant_matmul import TYPES, check, random_weight
 
 # Relative error allowed against gguf's float32 values: float32 within one rounding of them (a fused multiply-add
@@ -114,8 +115,9 @@ def test_linear_takes_the_kernel_for_prefill_sized_x(monkeypatch, stacked, seed)
     real = qd.dequantized_matmul
     monkeypatch.setattr(qd, "dequantized_matmul", lambda x, w, layer, **kw: layers.append(layer) or real(x, w, layer,
                                                                                                           **kw))
-    x = jnp.asarray(rng.standard_normal((linear_mod._PALLAS_MAX_ROWS + 5, 512)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((SKINNY_MAX_ROWS + 5, 512)), jnp.bfloat16)
     check(linear_mod.linear(x, weight), x, dense, jnp.bfloat16, f"stacked {stacked} seed {seed}")
     assert len(layers) == 1 and (layers[0] is not None) == stacked, layers
-    linear_mod.linear(x[:2], weight)
-    assert len(layers) == 1, "decode-sized x should take the fused GEMV"
+    for rows in (2, SKINNY_MAX_ROWS):  # decode of 2 and of 32 sequences
+        linear_mod.linear(x[:rows], weight)
+        assert len(layers) == 1, f"decode-sized x ({rows} rows) should take the fused GEMV"

@@ -15,7 +15,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.linear import LayerSlice
-from pallas_kernels.quant_matmul import BlockSizes, quant_matmul, quant_matmul_many, quant_matmul_reference
+from pallas_kernels.quant_matmul import (
+    SKINNY_MAX_ROWS, BlockSizes, quant_matmul, quant_matmul_many, quant_matmul_reference)
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 F16_OFFSETS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
@@ -134,7 +135,8 @@ def test_many_weights_in_one_launch(ggml_type, m, dtype, seed):
 
 def test_linear_many_puts_each_format_in_one_launch(monkeypatch, seed):
     """linear_many on packed layer slices of one layer: one fused-kernel launch per format (two Q4_K weights
-    together, the Q6_K one alone), outputs in the order given; a prefill-sized x takes no fused launch. (The int8
+    together, the Q6_K one alone), outputs in the order given, up to the skinny dot's 32 rows (a decode of 17-32
+    sequences too); a prefill-sized x takes no fused launch. (The int8
     GEMV, which takes these formats' decode rows by default, is switched off: its own grouping is tested in
     test_quant_gemv_int8.py.)"""
     rng = np.random.default_rng(seed)
@@ -146,11 +148,11 @@ def test_linear_many_puts_each_format_in_one_launch(monkeypatch, seed):
     specs = [(T.Q4_K, 48), (T.Q6_K, 32), (T.Q4_K, 16)]
     pairs = [[random_weight(rng, t, out, k) for _ in range(layers)] for t, out in specs]
     ws = [LayerSlice(jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in per]), layer) for per in pairs]
-    for rows in (1, 16, 17):
+    for rows in (1, 16, int(rng.integers(17, SKINNY_MAX_ROWS + 1)), SKINNY_MAX_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda x: linear_mod.linear_many(x, ws))(x))
         launches = (jaxpr.count("name=quant_matmul_q4_k"), jaxpr.count("name=quant_matmul_q6_k"))
-        assert launches == ((1, 1) if rows <= 16 else (0, 0)), f"{rows} rows: launches {launches}"
+        assert launches == ((1, 1) if rows <= SKINNY_MAX_ROWS else (0, 0)), f"{rows} rows: launches {launches}"
         for i, (y, per) in enumerate(zip(linear_mod.linear_many(x, ws), pairs)):
             check(y, x, per[int(layer)][1], jnp.float32, f"weight {i} {specs[i]}, {rows} rows, seed {seed}")
 
@@ -258,8 +260,11 @@ def test_linear_dispatches_to_kernel(monkeypatch, seed):
     check(got.reshape(6, 33), x.reshape(6, 512), dense, jnp.float32, f"linear Q6_K seed {seed}")
     wide = linear_mod.linear(x.astype(jnp.bfloat16), w, out_dtype=jnp.float32)
     assert len(calls) == 2 and wide.dtype == jnp.float32, "out_dtype must reach the kernel"
-    linear_mod.linear(jnp.ones((linear_mod._PALLAS_MAX_ROWS + 1, 512), jnp.float32), w)
-    assert len(calls) == 2, "prefill-sized x should not take the fused kernel"
+    decode_32 = jnp.asarray(rng.standard_normal((SKINNY_MAX_ROWS, 512)), jnp.bfloat16)  # 32 sequences' decode
+    check(linear_mod.linear(decode_32, w), decode_32, dense, jnp.bfloat16, f"linear Q6_K, 32 rows, seed {seed}")
+    assert len(calls) == 3, "32 rows (a decode step of 32 sequences) should take the fused kernel"
+    linear_mod.linear(jnp.ones((SKINNY_MAX_ROWS + 1, 512), jnp.float32), w)
+    assert len(calls) == 3, "prefill-sized x should not take the fused kernel"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 9, 40])

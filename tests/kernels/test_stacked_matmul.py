@@ -315,7 +315,10 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
     products of x, the others (and a weight given 0) the product of x rounded to bf16; decode-sized products give
     every row the float32-level product. Oracle: float64 products of gguf's dequantized W (as bf16 matmuls see it,
     rounded to bf16, except where a decode kernel takes x whole: Q4_K at 1..4 rows goes to the int8 GEMV, interpreted
-    here) with x or with x rounded to bf16."""
+    here) with x or with x rounded to bf16. Packed W at 17-32 rows (a decode of 17-32 sequences) keeps the prefill
+    rule's rows but is never decoded to a bf16 matrix there: the fused kernel's skinny dot takes both products."""
+    from pallas_kernels import quant_dequantize
+
     rng = np.random.default_rng(seed)
     out, k, layers = 64, 512, 3
     layer = int(rng.integers(0, layers))
@@ -331,7 +334,12 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
     monkeypatch.setattr(backend, "interpret", lambda: True)
     low = int(rng.integers(1, out))
     rounded_w = np.asarray(jnp.asarray(dense, jnp.bfloat16).astype(jnp.float32), np.float64)
-    for rows in (3, 40):
+    decoded = []
+    real = quant_dequantize.dequantize_in_kernel_order
+    monkeypatch.setattr(quant_dequantize, "dequantize_in_kernel_order", lambda *a, **kw: decoded.append(1) or real(
+        *a, **kw))
+    for rows in (3, int(rng.integers(17, 33)), 40):
+        decoded.clear()
         x = rng.standard_normal((rows, k)).astype(np.float32)
         x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
         whole = pallas and weight.startswith("Q4_K") and rows <= 4
@@ -349,6 +357,8 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
             assert err_rounded <= 2e-5 * scale, f"{where} ({name}): other rows off by {err_rounded:.3g} of {scale:.3g}"
         if not decode_sized:  # the rounding is visible: the test tells the two apart
             assert np.abs(of_rounded_x - exact).max() > 5 * 2e-5 * scale, where
+        if pallas and weight.startswith("Q4_K") and 16 < rows <= 32:
+            assert not decoded, f"{where}: W decoded to a bf16 matrix for a decode-sized product"
 
 
 def test_leading_rows_of_packed_and_stacked_weights(seed):

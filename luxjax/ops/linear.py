@@ -28,7 +28,9 @@ from luxjax.ops import backend
 from luxjax.ops.deferred import Deferred, GatedInput, materialize
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
-_PALLAS_MAX_ROWS = 16  # decode-sized products of dense weights (dense_gemv); packed ones: quant_matmul's own limit
+# Decode-sized rows for dense weights (dense_gemv) and for a float32 x's two parts (split_linear_many: the low part on
+# every output row up to here); packed products are decode-sized up to the skinny dot's 32 rows (_kernel_takes_rows)
+_PALLAS_MAX_ROWS = 16
 _KERNEL_X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # x dtypes the matmul kernels take
 
 
@@ -497,8 +499,9 @@ def _decoded_for_prefill(w, rows: int) -> jax.Array | None:
     if packed is None:
         return None
     base, layer = packed
-    decode_sized = base.ggml_type in KERNEL_FORMATS and _kernel_takes_rows(rows)  # the fused kernel's instead
-    if decode_sized or not _dequantize_kernel_takes(base, jnp.bfloat16, layer):
+    if not _dequantize_kernel_takes(base, jnp.bfloat16, layer):
+        return None
+    if base.ggml_type in KERNEL_FORMATS and _kernel_takes_rows(rows):  # decode-sized: the fused kernel's instead
         return None
     from pallas_kernels import quant_dequantize
 

@@ -136,9 +136,8 @@ def test_many_weights_in_one_launch(ggml_type, m, dtype, seed):
 def test_linear_many_puts_each_format_in_one_launch(monkeypatch, seed):
     """linear_many on packed layer slices of one layer: one fused-kernel launch per format (two Q4_K weights
     together, the Q6_K one alone), outputs in the order given, up to the skinny dot's 32 rows (a decode of 17-32
-    sequences too); a prefill-sized x takes no fused launch. (The int8
-    GEMV, which takes these formats' decode rows by default, is switched off: its own grouping is tested in
-    test_quant_gemv_int8.py.)"""
+    sequences too); a prefill-sized x takes no fused launch. (The int8 GEMV, which takes these formats' decode rows
+    by default, is switched off: its own grouping is tested in test_quant_gemv_int8.py.)"""
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(backend, "use_pallas", lambda: True)
     monkeypatch.setattr(backend, "interpret", lambda: True)

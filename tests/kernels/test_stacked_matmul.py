@@ -318,6 +318,7 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
     here) with x or with x rounded to bf16. Packed W at 17-32 rows (a decode of 17-32 sequences) keeps the prefill
     rule's rows but is never decoded to a bf16 matrix there: the fused kernel's skinny dot takes both products."""
     from pallas_kernels import quant_dequantize
+    from pallas_kernels.quant_matmul import SKINNY_MAX_ROWS
 
     rng = np.random.default_rng(seed)
     out, k, layers = 64, 512, 3
@@ -338,7 +339,7 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
     real = quant_dequantize.dequantize_in_kernel_order
     monkeypatch.setattr(quant_dequantize, "dequantize_in_kernel_order", lambda *a, **kw: decoded.append(1) or real(
         *a, **kw))
-    for rows in (3, int(rng.integers(17, 33)), 40):
+    for rows in (3, int(rng.integers(linear_mod._PALLAS_MAX_ROWS + 1, SKINNY_MAX_ROWS + 1)), 40):
         decoded.clear()
         x = rng.standard_normal((rows, k)).astype(np.float32)
         x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
@@ -357,7 +358,7 @@ def test_split_linear_low_rows(monkeypatch, seed, weight, pallas):
             assert err_rounded <= 2e-5 * scale, f"{where} ({name}): other rows off by {err_rounded:.3g} of {scale:.3g}"
         if not decode_sized:  # the rounding is visible: the test tells the two apart
             assert np.abs(of_rounded_x - exact).max() > 5 * 2e-5 * scale, where
-        if pallas and weight.startswith("Q4_K") and 16 < rows <= 32:
+        if pallas and weight.startswith("Q4_K") and linear_mod._PALLAS_MAX_ROWS < rows <= SKINNY_MAX_ROWS:
             assert not decoded, f"{where}: W decoded to a bf16 matrix for a decode-sized product"
 
 

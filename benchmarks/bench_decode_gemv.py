@@ -231,18 +231,11 @@ SKINNY_CHECKS = [("IQ4_XS", 16384, 5120, 32), ("IQ4_XS", 5120, 6144, 32), ("Q4_K
 def skinny_check(deadline: float, key) -> list[dict]:
     """The skinny dot's default tiles on SKINNY_CHECKS against one change each (3 stages, 32, 64 or 128 output
     rows, half and twice the K step, 8 warps)."""
-    rows = []
-    for fmt, out, k, m in SKINNY_CHECKS:
-        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
-        default = qm._stacked_block_sizes(T[fmt], m, out)
-        variants = [default, dataclasses.replace(default, num_stages=3),
-                    *(dataclasses.replace(default, block_n=n) for n in (32, 64, 128)),
-                    dataclasses.replace(default, blocks_k=max(1, default.blocks_k // 2)),
-                    dataclasses.replace(default, blocks_k=2 * default.blocks_k),
-                    dataclasses.replace(default, num_warps=8)]
-        rows += _time_skinny(fmt, out, k, m, stacked, layers, nbytes, list(dict.fromkeys(variants)), deadline, key)
-        del stacked
-    return rows
+    return _time_skinny_cases(SKINNY_CHECKS, lambda default: [
+        dataclasses.replace(default, num_stages=3), *(dataclasses.replace(default, block_n=n) for n in (32, 64, 128)),
+        dataclasses.replace(default, blocks_k=max(1, default.blocks_k // 2)),
+        dataclasses.replace(default, blocks_k=2 * default.blocks_k), dataclasses.replace(default, num_warps=8)],
+        deadline, key)
 
 
 # (format, out, in, rows of x) for --skinny-splits: the 27B's decode products at 16 and 32 rows
@@ -255,13 +248,20 @@ def skinny_splits(deadline: float, key) -> list[dict]:
     """The skinny dot's default tiles on SKINNY_SPLIT_CASES at one and two blocks a K step, each with K split 1, 2,
     4 and 8 ways and the default split count (dense_gemv.split_count: K split until there are two programs a
     multiprocessor)."""
+    return _time_skinny_cases(SKINNY_SPLIT_CASES, lambda default: [
+        dataclasses.replace(default, blocks_k=kb, splits=s) for kb in (1, 2) for s in (None, 1, 2, 4, 8)],
+        deadline, key)
+
+
+def _time_skinny_cases(cases, changes, deadline: float, key) -> list[dict]:
+    """Each (format, out, in, rows of x) case at its default skinny tiles and at changes(default) (repeats dropped),
+    as _time_skinny."""
     rows = []
-    for fmt, out, k, m in SKINNY_SPLIT_CASES:
+    for fmt, out, k, m in cases:
         stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
         default = qm._stacked_block_sizes(T[fmt], m, out)
-        variants = [default] + [dataclasses.replace(default, blocks_k=kb, splits=s)
-                                for kb in (1, 2) for s in (None, 1, 2, 4, 8)]
-        rows += _time_skinny(fmt, out, k, m, stacked, layers, nbytes, list(dict.fromkeys(variants)), deadline, key)
+        variants = list(dict.fromkeys([default, *changes(default)]))
+        rows += _time_skinny(fmt, out, k, m, stacked, layers, nbytes, variants, deadline, key)
         del stacked
     return rows
 

@@ -29,7 +29,7 @@ from luxjax.ops.deferred import Deferred, GatedInput, materialize
 from pallas_kernels.quant_decode import KERNEL_FORMATS
 
 # Decode-sized rows for dense weights (dense_gemv) and for a float32 x's two parts (split_linear_many: the low part on
-# every output row up to here); packed products are decode-sized up to the skinny dot's 32 rows (_kernel_takes_rows)
+# every output row up to here); packed products are decode-sized where the fused kernel takes them (up to 32 rows)
 _PALLAS_MAX_ROWS = 16
 _KERNEL_X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # x dtypes the matmul kernels take
 
@@ -175,18 +175,14 @@ def _dequantize_kernel_takes(w: QuantizedTensor, dtype, layer) -> bool:
 
 
 def _kernel_applies(x: jax.Array, w: Weight) -> bool:
-    """Whether x @ W.T goes to the fused dequantize-matmul (or the int8 GEMV): packed W in a kernel format and
-    decode-sized x (_kernel_takes_rows)."""
-    return (isinstance(w, QuantizedTensor) and w.ggml_type in KERNEL_FORMATS and w.ndim == 2
-            and x.dtype in _KERNEL_X_DTYPES and backend.use_pallas() and _kernel_takes_rows(math.prod(x.shape[:-1])))
+    """Whether x @ W.T goes to the fused dequantize-matmul (or the int8 GEMV): packed W that the fused kernel takes
+    at x's rows (decode-sized: up to its skinny dot's 32, a decode step of up to 32 sequences; past them, decoding
+    W once for a GEMM wins)."""
+    if not (isinstance(w, QuantizedTensor) and x.dtype in _KERNEL_X_DTYPES and backend.use_pallas()):
+        return False
+    from pallas_kernels import quant_matmul  # Pallas imports only once Pallas is chosen
 
-
-def _kernel_takes_rows(rows: int) -> bool:
-    """Whether `rows` rows of x times a packed weight are decode-sized: at most the fused kernel's skinny dot's 32
-    (a decode step of up to 32 sequences); past them, decoding W once for a GEMM wins."""
-    from pallas_kernels.quant_matmul import SKINNY_MAX_ROWS  # Pallas imports only once Pallas is chosen
-
-    return 0 < rows <= SKINNY_MAX_ROWS
+    return quant_matmul.supported_many(x.shape, (w,), stacked=False)
 
 
 def _in_place_linear(x: jax.Array, w: LayerSlice, out_dtype=None) -> jax.Array | None:
@@ -494,17 +490,17 @@ def _partly_split_product(hi: jax.Array, lo: jax.Array, w, low_rows: int) -> jax
 def _decoded_for_prefill(w, rows: int) -> jax.Array | None:
     """Packed w (or its layer) as the bf16 matrix a prefill-sized product of `rows` rows reads, decoded by the Pallas
     dequantize kernel (in W's own column order), or None where the product does not take that path (dense w, XLA
-    chosen, formats without the kernel, decode-sized rows)."""
+    chosen, formats without the kernel, decode-sized products: those the fused kernel takes)."""
     packed = _packed_layer(w)
     if packed is None:
         return None
     base, layer = packed
     if not _dequantize_kernel_takes(base, jnp.bfloat16, layer):
         return None
-    if base.ggml_type in KERNEL_FORMATS and _kernel_takes_rows(rows):  # decode-sized: the fused kernel's instead
-        return None
-    from pallas_kernels import quant_dequantize
+    from pallas_kernels import quant_dequantize, quant_matmul
 
+    if quant_matmul.supported_many((rows, base.shape[1]), (base,), stacked=layer is not None):
+        return None  # decode-sized: the fused kernel takes the packed bytes instead
     return quant_dequantize.dequantize_in_kernel_order(base, layer, dtype=jnp.bfloat16, natural_order=True,
                                                        interpret=backend.interpret())
 

@@ -241,15 +241,20 @@ def skinny_check(deadline: float, key) -> list[dict]:
 # (format, out, in, rows of x) for --skinny-splits: the 27B's decode products at 16 and 32 rows
 SKINNY_SPLIT_CASES = [("IQ4_XS", 17408, 5120, 32), ("IQ4_XS", 5120, 17408, 32), ("IQ4_XS", 16384, 5120, 32),
                       ("IQ4_XS", 5120, 6144, 32), ("Q4_K", 17408, 5120, 32), ("IQ4_XS", 17408, 5120, 16),
-                      ("IQ4_XS", 5120, 17408, 16)]
+                      ("IQ4_XS", 5120, 17408, 16), ("Q6_K", 5120, 17408, 16), ("Q6_K", 5120, 17408, 32),
+                      ("Q6_K", 10240, 5120, 32), ("Q5_K", 5120, 17408, 32), ("Q8_0", 17408, 5120, 32),
+                      ("Q6_K", 17408, 5120, 16), ("Q5_K", 5120, 17408, 16), ("Q8_0", 17408, 5120, 16)]
 
 
-def skinny_splits(deadline: float, key) -> list[dict]:
-    """The skinny dot's default tiles on SKINNY_SPLIT_CASES at one and two blocks a K step, each with K split 1, 2,
-    4 and 8 ways and the default split count (dense_gemv.split_count: K split until there are two programs a
-    multiprocessor)."""
-    return _time_skinny_cases(SKINNY_SPLIT_CASES, lambda default: [
-        dataclasses.replace(default, blocks_k=kb, splits=s) for kb in (1, 2) for s in (None, 1, 2, 4, 8)],
+def skinny_splits(formats, deadline: float, key) -> list[dict]:
+    """The skinny dot's default tiles on SKINNY_SPLIT_CASES of `formats` at one and two blocks a K step, each with K
+    split 1, 2, 4 and 8 ways and the default split count (dense_gemv.split_count: K split until the format's
+    min_programs), and at 1, 2 and 16 blocks a K step split by the rule before session 29 (until
+    dense_gemv.MIN_PROGRAMS; 16 blocks: Q8_0's 512 values a step)."""
+    cases = [case for case in SKINNY_SPLIT_CASES if case[0] in formats]
+    return _time_skinny_cases(cases, lambda default: [
+        *(dataclasses.replace(default, blocks_k=kb, splits=s) for kb in (1, 2) for s in (None, 1, 2, 4, 8)),
+        *(dataclasses.replace(default, blocks_k=kb, splits=None, min_programs=None) for kb in (1, 2, 16))],
         deadline, key)
 
 
@@ -581,7 +586,7 @@ def main():
     if args.skinny_sweep or args.skinny_check or args.skinny_splits:
         formats = [f for f in args.formats.split(",") if f != "bf16"]
         rows = (skinny_check(start + args.seconds, key) if args.skinny_check
-                else skinny_splits(start + args.seconds, key) if args.skinny_splits
+                else skinny_splits(formats, start + args.seconds, key) if args.skinny_splits
                 else skinny_sweep(formats, start + args.seconds, key))
         write_rows(args.json, rows)
         print_table(sorted(rows, key=lambda r: (r["format"], r["out"], r["ms"])),

@@ -79,8 +79,9 @@ class BlockSizes:
             return cls(m, block_n, max(1, values // (block * (1 if m <= 2 else 2))), warps, 3,
                        x_float32=True if wide else None)
         if m <= SKINNY_MAX_ROWS:
-            values, stages, min_programs = _SKINNY_TILES[ggml_type]
             both_parts = m > GEMV_MAX_ROWS  # a float32 x's two bf16 parts, or 17-32 sequences (ops.linear)
+            wide = _SKINNY_WIDE_TILES.get(ggml_type) if both_parts else None
+            values, stages, min_programs = wide or _SKINNY_TILES[ggml_type]
             return cls(SKINNY_MAX_ROWS if both_parts else GEMV_MAX_ROWS, 64 if both_parts else 32,
                        max(1, values // block), 4, stages, min_programs=min_programs)
         return cls(64, 128, max(1, 64 // block), 4, 3)
@@ -105,9 +106,14 @@ _FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8), (T.Q4_K, 2): (16, 1024, 8), (T.Q
 # 16384 x 5120's 512 programs 66.1). IQ4_XS and Q4_K at 256 values a step with K split up to 2,048 programs:
 # IQ4_XS 17408 x 5120 at 16 rows 79.0 -> 58.8 us, 5120 x 17408 77.7 -> 68.6; at 32 rows 117.0 -> 73.9, 114.9 ->
 # 85.2, 5120 x 6144 35.4 -> 26.9, 16384 x 5120 66.3 -> 71.7 (the one loss); Q4_K 17408 x 5120 at 32 rows 119.7 ->
-# 79.0. The other formats keep MIN_PROGRAMS (not measured).
-_SKINNY_TILES = {T.IQ4_XS: (256, 1, 2048), T.Q4_K: (256, 1, 2048), T.Q6_K: (256, 1, None), T.Q5_K: (512, 3, None),
+# 79.0. The other formats the same way (session 29, --skinny-splits; old rule -> new): Q6_K at 256 values split to
+# 2,048 programs, 5120 x 17408 at 16 rows 102.7 -> 81.6 us, 17408 x 5120 92.1 -> 73.5, 10240 x 5120 at 32 rows 67.8
+# -> 60.3 (5120 x 17408 at 32 rows equal, 115.5); Q5_K at 256 values (was 512), 5120 x 17408 at 16 rows 109.0 ->
+# 96.2, at 32 rows 264.1 -> 118.5; Q8_0 at 32 rows 32 values a step split to 2,048 programs, 17408 x 5120 109.3 ->
+# 73.4, but at 16 rows that measured 108.7 against 77.7 for its 512 values, which it keeps there.
+_SKINNY_TILES = {T.IQ4_XS: (256, 1, 2048), T.Q4_K: (256, 1, 2048), T.Q6_K: (256, 1, 2048), T.Q5_K: (256, 3, 2048),
                  T.Q8_0: (512, 3, None)}
+_SKINNY_WIDE_TILES = {T.Q8_0: (32, 3, 2048)}  # at 32 rows of x, where they differ from _SKINNY_TILES
 
 
 def blocks_per_step(blocks: int, wanted: int) -> int:

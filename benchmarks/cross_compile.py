@@ -5,8 +5,8 @@ for that GPU, on a machine without one: does each kernel compile for AMD (gfx942
     python benchmarks/cross_compile.py --platform cuda --triton /tmp/tv/bin/python --json out.json
 
 The model (a named config of benchmarks/model_configs.py, random weights; packed blocks with --weights) is built on
-the CPU and driven through its backend as the engine drives it (a prefill step, decode steps at batch 1, 4 and 16,
-the vision tower, a prompt with an image), with the Pallas kernels chosen as on a GPU of that platform
+the CPU and driven through its backend as the engine drives it (a prefill step, decode steps at batch 1, 4, 16 and
+32, the vision tower, a prompt with an image), with the Pallas kernels chosen as on a GPU of that platform
 (ops.backend.gpu_platform reports it). Each jitted call is lowered for the platform instead of run (its outputs
 are zeros of their shapes), every Triton module Pallas produces is kept with its warps and stages, and PyPI's Triton
 (`python -m venv /tmp/tv && /tmp/tv/bin/pip install triton==3.6.0`, not a project dependency) compiles each one.
@@ -58,8 +58,9 @@ def lowered_instead(fn, platform: str):
 
 
 def drive_model(backend, cfg_dict, prompt_tokens: int, image_tokens: int):
-    """The engine's calls on the backend: a prompt's prefill, decode steps at batch 1, 4 and 16, the vision tower, a
-    prompt with an image prefilled in the server's steps."""
+    """The engine's calls on the backend: a prompt's prefill, decode steps at batch 1, 4, 16 and 32 (the most
+    sequences the packed decode kernels take in a step), the vision tower, a prompt with an image prefilled in the
+    server's steps."""
     from luxjax.engine.generate import prefill_prompt
     from luxjax.vision.types import ImageInputs
 
@@ -67,7 +68,7 @@ def drive_model(backend, cfg_dict, prompt_tokens: int, image_tokens: int):
     ids = np.random.default_rng(0).integers(0, vocab - 1000, prompt_tokens).tolist()
     caches = backend.init_cache(1, 2 * prompt_tokens)
     _, caches = backend.prefill(caches, 0, backend.prompt_from_ids(ids, None), None, 0, prompt_tokens)
-    for batch in (1, 4, 16):
+    for batch in (1, 4, 16, 32):
         caches = backend.init_cache(batch, 2 * prompt_tokens)
         backend.decode(caches, np.zeros(batch, np.int32), np.full(batch, prompt_tokens, np.int32),
                        np.zeros(batch, np.int32))

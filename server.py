@@ -13,6 +13,7 @@ import argparse
 import inspect
 import logging
 import sys
+from pathlib import Path
 
 log = logging.getLogger("luxjax.server")
 
@@ -52,6 +53,7 @@ def load_model(settings):
 
     kwargs = {"max_context": settings.max_ctx}
     if settings.cache_dir is not None:
+        luxjax.api.cache_compiled_programs(Path(settings.cache_dir) / "xla")
         if "cache_dir" in inspect.signature(luxjax.api.load).parameters:
             kwargs["cache_dir"] = settings.cache_dir
         else:

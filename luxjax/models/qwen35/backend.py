@@ -47,7 +47,11 @@ class Qwen35Backend:
                  dtype, *, max_context: int | None = None, limits: ImageLimits = ImageLimits()):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        # committed where they lie (no copy), as a restored parameter cache gives them: a jitted function's program
+        # then does not depend on how the weights were loaded, and XLA's persistent compilation cache finds the
+        # programs of a built model's run when the next start restores its parameters
+        self.state = jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
         self.jit_graphdef = qwen.HashedGraphDef(self.graphdef)  # what the jitted functions take (hashed once)
         self.tokenizer = tokenizer
         self.processor = processor

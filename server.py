@@ -57,7 +57,7 @@ def load_model(settings):
         if "cache_dir" in inspect.signature(luxjax.api.load).parameters:
             kwargs["cache_dir"] = settings.cache_dir
         else:
-            log.warning("--cache-dir is accepted but this loader has no cache; ignoring it")
+            log.warning("this loader keeps no parameters in --cache-dir; only compiled programs are kept there")
     return luxjax.api.load(settings.model, settings.mmproj, settings.dtype, **kwargs)
 
 

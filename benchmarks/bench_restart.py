@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -58,6 +59,8 @@ def one_start(server_args: list[str], port: int, body: bytes) -> tuple[float, fl
             if "listening on" in line:
                 break
         ready = time.perf_counter() - start
+        # keep reading its output, so that a full pipe never blocks the server
+        threading.Thread(target=server.stdout.read, daemon=True).start()
         first = timed_request(port, body)
         return ready, first, timed_request(port, body)
     finally:

@@ -10,12 +10,9 @@ flags given on the command line win.
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import sys
 from pathlib import Path
-
-log = logging.getLogger("luxjax.server")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,10 +51,7 @@ def load_model(settings):
     kwargs = {"max_context": settings.max_ctx}
     if settings.cache_dir is not None:
         luxjax.api.cache_compiled_programs(Path(settings.cache_dir) / "xla")
-        if "cache_dir" in inspect.signature(luxjax.api.load).parameters:
-            kwargs["cache_dir"] = settings.cache_dir
-        else:
-            log.warning("this loader keeps no parameters in --cache-dir; only compiled programs are kept there")
+        kwargs["cache_dir"] = settings.cache_dir
     return luxjax.api.load(settings.model, settings.mmproj, settings.dtype, **kwargs)
 
 

@@ -254,7 +254,7 @@ def skinny_splits(formats, deadline: float, key) -> list[dict]:
     cases = [case for case in SKINNY_SPLIT_CASES if case[0] in formats]
     return _time_skinny_cases(cases, lambda default: [
         *(dataclasses.replace(default, blocks_k=kb, splits=s) for kb in (1, 2) for s in (None, 1, 2, 4, 8)),
-        *(dataclasses.replace(default, blocks_k=kb, splits=None, min_programs=None) for kb in (1, 2, 16))],
+        *(dataclasses.replace(default, blocks_k=kb, splits=None, min_programs=qm.MIN_PROGRAMS) for kb in (1, 2, 16))],
         deadline, key)
 
 

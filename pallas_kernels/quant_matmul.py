@@ -58,7 +58,7 @@ class BlockSizes:
     num_stages: int
     splits: int | None = None  # programs sharing one row tile, each over a 1/splits of K (None: enough for the GPU)
     x_float32: bool | None = None  # GEMV reduce: x widened to float32 before the kernel (None: for one row of x)
-    min_programs: int | None = None  # where splits is None, K is split until this many programs (None: MIN_PROGRAMS)
+    min_programs: int = MIN_PROGRAMS  # where splits is None, K is split until this many programs
 
     @property
     def widens_x(self) -> bool:
@@ -112,7 +112,7 @@ _FLOAT32_X_TILES = {(T.Q4_K, 1): (16, 1024, 8), (T.Q4_K, 2): (16, 1024, 8), (T.Q
 # 96.2, at 32 rows 264.1 -> 118.5; Q8_0 at 32 rows 32 values a step split to 2,048 programs, 17408 x 5120 109.3 ->
 # 73.4, but at 16 rows that measured 108.7 against 77.7 for its 512 values, which it keeps there.
 _SKINNY_TILES = {T.IQ4_XS: (256, 1, 2048), T.Q4_K: (256, 1, 2048), T.Q6_K: (256, 1, 2048), T.Q5_K: (256, 3, 2048),
-                 T.Q8_0: (512, 3, None)}
+                 T.Q8_0: (512, 3, MIN_PROGRAMS)}
 _SKINNY_WIDE_TILES = {T.Q8_0: (32, 3, 2048)}  # at 32 rows of x, where they differ from _SKINNY_TILES
 
 
@@ -339,7 +339,7 @@ def _quant_matmul_many(x, ws, layer, *, block_sizes, out_dtype, interpret, debug
         x_inputs.append(xs)
     splits = bs.splits or (1 if bs.block_m > SKINNY_MAX_ROWS else
                            split_count((mp // bs.block_m) * sum(tile_counts), blocks // kb,
-                                       bs.min_programs or MIN_PROGRAMS))
+                                       bs.min_programs))
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
 

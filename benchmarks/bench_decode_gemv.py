@@ -490,52 +490,6 @@ def ahead_sweep(deadline: float, key) -> list[dict]:
     return rows
 
 
-# A decode step's int8 GEMV launches (IQ4_XS 27B; Q4_K for the Q4_K_M mix) as (format, out, in, rows, x dtype):
-# 34,816 rows stand for the MLP's gate + up, 16,384 for the DeltaNet's four (float32 x), 14,336 for attention's q,
-# k and v; 5120 x 17408 the MLP's down, 5120 x 6144 the DeltaNet's (float32 x) and attention's output.
-BALANCED_CASES = [("IQ4_XS", 34816, 5120, 1, jnp.bfloat16), ("IQ4_XS", 5120, 17408, 1, jnp.bfloat16),
-                  ("IQ4_XS", 16384, 5120, 1, jnp.float32), ("IQ4_XS", 5120, 6144, 1, jnp.float32),
-                  ("IQ4_XS", 14336, 5120, 1, jnp.bfloat16), ("IQ4_XS", 5120, 6144, 1, jnp.bfloat16),
-                  ("IQ4_XS", 34816, 5120, 4, jnp.bfloat16), ("IQ4_XS", 5120, 17408, 4, jnp.bfloat16),
-                  ("Q4_K", 34816, 5120, 1, jnp.bfloat16), ("Q4_K", 5120, 17408, 1, jnp.bfloat16)]
-
-
-def balanced_variants(default: qi.BlockSizes, sms: int) -> list[qi.BlockSizes]:
-    """The default tiles, then the same tiles as balanced launches (BlockSizes.programs) of 2, 3 and 4 programs a
-    multiprocessor, and at 4 warps of 4 and 6 (programs that all fit on the GPU at once, ~80 registers a thread)."""
-    same = dataclasses.replace(default, splits=None, tiles=1)
-    return [default, *(dataclasses.replace(same, programs=k * sms) for k in (2, 3, 4)),
-            *(dataclasses.replace(same, num_warps=4, programs=k * sms) for k in (4, 6))]
-
-
-def balanced_sweep(formats, deadline: float, key) -> list[dict]:
-    """Each BALANCED_CASE (of --formats) at its default tiles and balanced_variants: the GEMV kernel's median launch
-    and all GPU kernels per layer of the scan (x's quantization and the partial sums' add included)."""
-    rows = []
-    sms = getattr(jax.devices()[0], "core_count", 132)
-    for fmt, out, k, m, dtype in BALANCED_CASES:
-        if fmt not in formats or time.time() > deadline:
-            continue
-        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
-        x = jax.random.normal(key, (m, k), dtype)
-        default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
-        reference = None
-        for bs in balanced_variants(default, sms):
-            if time.time() > deadline:
-                break
-            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, programs=bs.programs or "grid")
-            if row is None:
-                continue
-            row["all_ms"] = (call_kernels_ms(scan_fn(fmt, bs), x, stacked) or float("nan")) / layers
-            y = qi.int8_quant_matmul(x, stacked, jnp.int32(layers - 1), block_sizes=bs, out_dtype=jnp.float32)
-            reference = y if reference is None else reference
-            # against the default tiles' product: the same sums in another order
-            row["max_diff"] = float(jnp.max(jnp.abs(y - reference)) / jnp.max(jnp.abs(reference)))
-            rows.append(row)
-        del stacked
-    return rows
-
-
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
     """The products of one input as separate launches (each quantizing x) and as one int8_quant_matmul_many launch,
     in a scan over stacked layers: all GPU kernels per layer (quantization and the chain's small ops included) and
@@ -618,8 +572,6 @@ def main():
                     help="only the skinny dot's default tiles against one change each on SKINNY_CHECKS")
     ap.add_argument("--skinny-splits", action="store_true",
                     help="only the skinny dot's K split counts at 16 and 32 rows (SKINNY_SPLIT_CASES)")
-    ap.add_argument("--balanced-sweep", action="store_true",
-                    help="only the int8 GEMV's decode launches as balanced shares of programs (BlockSizes.programs)")
     ap.add_argument("--group-tiles", help="block sizes for --stream-sweep's grouped products, e.g. 16,2,8,1,1 "
                                           "(block_n, blocks_k, warps, prefetch, tiles); default: the best of the sweep")
     ap.add_argument("--json")
@@ -647,15 +599,6 @@ def main():
         print_table(rows, [*product, ("loaded ahead (prefetch)", lambda r: r["ahead"]),
                            ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
                            ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
-        return
-    if args.balanced_sweep:
-        formats = args.formats.split(",") if args.formats != ",".join(FORMATS) else ["IQ4_XS", "Q4_K"]
-        rows = balanced_sweep(formats, start + args.seconds, key)
-        write_rows(args.json, rows)
-        print_table(rows, [*product, ("block sizes", lambda r: r["block_sizes"]), ("programs", lambda r: r["programs"]),
-                           ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}"),
-                           ("all kernels us per layer", lambda r: f"{1e3 * r['all_ms']:.1f}"),
-                           ("max diff", lambda r: f"{r['max_diff']:.1e}")])
         return
     if args.split_sweep:
         rows = split_sweep(start + args.seconds, key)

@@ -114,13 +114,11 @@ def main():
     ap.add_argument("--prefetch", nargs="?", const="all", choices=["all", "small"],
                     help="load the next K step's planes ahead in registers (all, or the small planes only)")
     ap.add_argument("--format", default="IQ4_XS", choices=[t.name for t in qi.FORMATS])
-    ap.add_argument("--programs", type=int, help="a balanced launch of this many programs (BlockSizes.programs)")
     ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
     ap.add_argument("--keep", help="also write the Triton IR here")
     args = ap.parse_args()
     block_n, blocks_k, warps = (int(v) for v in args.tiles.split(","))
-    bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch={"all": True, "small": "small", None: False}[args.prefetch],
-                       programs=args.programs)
+    bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch={"all": True, "small": "small", None: False}[args.prefetch])
     ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
     with tempfile.TemporaryDirectory() as d:
         path = Path(args.keep) if args.keep else Path(d) / "kernel.ttir"

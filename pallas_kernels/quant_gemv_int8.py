@@ -83,9 +83,6 @@ class BlockSizes:
     # few bytes a block, Int8Format.small_planes)
     prefetch: bool | str | None = None
     tiles: int = 1  # row tiles per program, streamed one after another in one loop
-    # balanced: this many programs, each over an equal share of all (row tile, K step) pairs (balanced_plan), in
-    # place of whole row tiles and K splits (None: those)
-    programs: int | None = None
 
     @classmethod
     def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int, levels: int = 2) -> BlockSizes:
@@ -136,46 +133,6 @@ FEW_TILES = {
 # -> 27.1; Q6_K 5120 x 17408 at 1 row 37.1 -> 32.4. Elsewhere equal or slower (IQ4_XS at 1 row 38.4 -> 46.8, its
 # 5,120-output products at 4 rows 40.6 -> 50.6; Q5_K; Q6_K 34816 x 5120 at 4 rows 142.5 -> 181.2).
 SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, False), (T.Q6_K, False, False)}
-
-
-@dataclass(frozen=True)
-class BalancedPlan:
-    """An equal share of a product's (row tile, K step) pairs, tile-major, for each of `programs` programs: program
-    p runs pairs [p * U // P, (p + 1) * U // P) of U = tiles * steps. Why: a grid of whole row tiles (and K splits)
-    ends in a last wave of programs that leaves the GPU part idle while it drains, and a decode GEMV is short (an
-    IQ4_XS 27B step's launches spend 5-9 us each beyond streaming their bytes at the copy rate: RESULTS, session 29);
-    programs that all fit on the GPU at once and share the work equally finish together. A tile's pairs run in
-    consecutive programs, each writing its partial sum to the slot of its place among them (first_program)."""
-
-    tiles: int
-    steps: int  # K steps per row tile
-    programs: int
-
-    def share(self, p):
-        """Program p's pairs [first, end) (works on ints and traced values)."""
-        return self._start(p), self._start(p + 1)
-
-    def _start(self, p):
-        return lax.div(p * self.units, self.programs) if isinstance(p, jax.Array) else p * self.units // self.programs
-
-    @property
-    def units(self) -> int:
-        return self.tiles * self.steps
-
-    def first_program(self, unit):
-        """The program whose share holds pair `unit`: the largest p with p * U // P <= unit."""
-        top = (unit + 1) * self.programs - 1
-        return lax.div(top, self.units) if isinstance(top, jax.Array) else top // self.units
-
-    def slots_written(self) -> list[int]:
-        """Per row tile, how many programs write it (slots 0 .. count - 1 hold its partial sums)."""
-        return [self.first_program(t * self.steps + self.steps - 1) - self.first_program(t * self.steps) + 1
-                for t in range(self.tiles)]
-
-
-def balanced_plan(tiles: int, steps: int, programs: int) -> BalancedPlan:
-    """A BalancedPlan of at most one program per pair."""
-    return BalancedPlan(tiles, steps, max(1, min(programs, tiles * steps)))
 
 
 def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:
@@ -388,13 +345,11 @@ def _load_step(planes, sl, fmt: Int8Format) -> dict:
     return loaded
 
 
-def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret, plan=None):
+def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
-    of tiles * BN rows), K steps split * steps ... of it; weight i's o [1, BM, tiles * BN] is that block's output.
-    With a BalancedPlan, program (p,): its share of (row tile, K step) pairs, tile by tile; weight i's o [slots, BM,
-    rows] whole, a tile's partial sum in the slot of the program's place among the tile's programs."""
+    of tiles * BN rows), K steps split * steps ... of it; weight i's o [1, BM, tiles * BN] is that block's output."""
     # [layer], constants, per weight its planes (fmt.planes' order) whole, x words [BM, L, blocks, *fmt.x_words],
-    # x scales [BM, blocks, *fmt.x_scales], [x float or level sums (quantized_x)], per weight o
+    # x scales [BM, blocks, *fmt.x_scales], [x float or level sums (quantized_x)], per weight o [1, BM, tiles * BN]
     refs = list(refs)
     layer = refs.pop(0)[0] if stacked else None
     const_ref = refs.pop(0)
@@ -402,36 +357,19 @@ def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels,
     xs_ref = refs.pop() if fmt.sums else None
     xd_ref, xq_ref = refs.pop(), refs.pop()
     magic = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret)
+    block, split = pl.program_id(1), pl.program_id(2)
     stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref,
-                               magic=magic, layer=layer, block_n=block_n, tiles=tiles, kb=kb, levels=levels,
-                               prefetch=prefetch)
+                               magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, kb=kb,
+                               steps=steps, levels=levels, prefetch=prefetch)
     count = len(fmt.planes)
-    if plan is None:
-        block, split = pl.program_id(1), pl.program_id(2)
-        per_weight_tile(block, tile_counts, lambda i, local: stream(
-            refs[count * i: count * (i + 1)], local * tiles * block_n, o_ref=o_refs[i], k_first=split * steps,
-            steps=steps))
-        return
-    program = pl.program_id(0)
-    first, end = plan.share(program)
-
-    def one_tile(t, carry):
-        k_first = jnp.maximum(first - t * plan.steps, 0)
-        k_end = jnp.minimum(end - t * plan.steps, plan.steps)
-        slot = program - plan.first_program(t * plan.steps)
-        per_weight_tile(t, tile_counts, lambda i, local: stream(
-            refs[count * i: count * (i + 1)], local * block_n, o_ref=o_refs[i], k_first=k_first,
-            steps=k_end - k_first, out_at=(slot, local * block_n)))
-        return carry
-
-    lax.fori_loop(lax.div(first, plan.steps), lax.div(end - 1, plan.steps) + 1, one_tile, 0)
+    per_weight_tile(block, tile_counts, lambda i, local: stream(
+        refs[count * i: count * (i + 1)], local * tiles * block_n, o_ref=o_refs[i]))
 
 
-def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, k_first,
-                 block_n, tiles, kb, steps, levels, prefetch, out_at=(0, 0)):
-    """o = x @ W[first_row : first_row + tiles * BN].T over K steps k_first .. k_first + steps, one weight's planes:
-    the row tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps;
-    steps may be traced where tiles is 1). Tile t's row of sums goes to o[out_at[0], :, out_at[1] + t * BN ...]."""
+def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, split,
+                 block_n, tiles, kb, steps, levels, prefetch):
+    """o = x @ W[first_row : first_row + tiles * BN].T over this split's K steps, one weight's planes: the row
+    tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps)."""
     rows = o_ref.shape[1]
 
     def tile_planes(t):
@@ -440,17 +378,11 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
         return {name: RowView(ref, prefix) for name, ref in zip(fmt.planes, plane_refs)}
 
     def k_slice(s):
-        return pl.ds(pl.multiple_of((k_first + s) * kb, kb), kb)
+        return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
 
-    def tile_of(i):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
-        return lax.div(i, steps) if tiles > 1 else 0
-
-    def step_of(i):
-        return lax.rem(i, steps) if tiles > 1 else i
-
-    def load(i, names):
-        planes = {name: view for name, view in tile_planes(tile_of(i)).items() if name in names}
-        return _load_step(planes, k_slice(step_of(i)), fmt)
+    def load(i, names):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
+        planes = {name: view for name, view in tile_planes(lax.div(i, steps)).items() if name in names}
+        return _load_step(planes, k_slice(lax.rem(i, steps)), fmt)
 
     def level_sums(group, r, sl):
         """The group's integer dot products with row r's levels, as floats [BN, KB, *acc]: sum_l part_l / 128^l."""
@@ -481,13 +413,9 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
         return tuple(new)
 
     def store(t, accs):
-        slot, column = out_at
-        column = column + t * block_n
-        if isinstance(column, jax.Array):
-            column = pl.multiple_of(column, block_n)
         for r, acc in enumerate(accs):
             row = acc.sum(axis=tuple(range(1, acc.ndim)))
-            o_ref[slot, pl.ds(r, 1), pl.ds(column, block_n)] = row[None, :].astype(o_ref.dtype)
+            o_ref[0, pl.ds(r, 1), pl.ds(t * block_n, block_n)] = row[None, :].astype(o_ref.dtype)
 
     zeros = (jnp.zeros((block_n, kb, *fmt.acc), jnp.float32),) * rows
     total = tiles * steps
@@ -498,7 +426,7 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     def step(i, carry):
         loaded, accs = carry  # loaded: the planes in `ahead`, this step's, loaded by the step before
         upcoming = load(jnp.minimum(i + 1, total - 1), ahead)  # in flight while this step is decoded
-        accs = accumulate({**loaded, **load(i, now)}, step_of(i), accs)
+        accs = accumulate({**loaded, **load(i, now)}, lax.rem(i, steps), accs)
         if tiles > 1:
             last = lax.rem(i, steps) == steps - 1
 
@@ -596,58 +524,24 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     padded = tuple(p[0].shape[0 if layer is None else 1] for p in planes)  # each plane [(L,) rows, blocks, ...]
     tile_counts = tuple(n // program_rows for n in padded)
     x_parts = quantized_x(x, fmt, levels, interpret=interpret)
-    out_dtype = out_dtype or x.dtype
-    name = f"int8_gemv_{ws[0].ggml_type.name.lower()}"
-    operands = ([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]) + [
-        jnp.asarray(_CONSTANTS, jnp.uint32), *(p for weight_planes in planes for p in weight_planes), *x_parts]
-    if bs.programs:
-        return _balanced_call(operands, fmt, tile_counts, padded, ns, m, bs, kb, blocks // kb, levels, out_dtype,
-                              stacked=layer is not None, name=name, interpret=interpret, debug=debug)
     splits = bs.splits or split_count(sum(tile_counts), blocks // kb)
     if blocks % (kb * splits):
         raise ValueError(f"{splits} K splits of {kb}-block steps do not divide {blocks} blocks")
+    out_dtype = out_dtype or x.dtype
     steps = blocks // (kb * splits)
     kernel = functools.partial(_kernel, fmt=fmt, tile_counts=tile_counts, stacked=layer is not None,
                                block_n=bs.block_n, tiles=bs.tiles, kb=kb, steps=steps, levels=levels,
                                prefetch=bs.prefetches(steps), interpret=interpret)
+    x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in x_parts]
+    flat_planes = [p for weight_planes in planes for p in weight_planes]
     ys = pl.pallas_call(
         kernel,
         out_shape=tuple(split_out_shape(splits, m, n, out_dtype) for n in padded),
         grid=(1, sum(tile_counts), splits),
-        in_specs=[WHOLE] * len(operands),
+        in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
         out_specs=weight_out_specs(tile_counts, (1, m, program_rows)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret, debug=debug, name=name,
-    )(*operands)
+        interpret=interpret, debug=debug, name=f"int8_gemv_{ws[0].ggml_type.name.lower()}",
+    )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
+      jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, *x_parts)
     return tuple(sum_splits(y, out_dtype)[:, :n] for y, n in zip(ys, ns))
-
-
-def _balanced_call(operands, fmt: Int8Format, tile_counts, padded, ns, m: int, bs: BlockSizes, kb: int, steps: int,
-                   levels: int, out_dtype, *, stacked: bool, name: str, interpret: bool, debug: bool
-                   ) -> tuple[jax.Array, ...]:
-    """int8_quant_matmul_many's launch as bs.programs programs of a BalancedPlan (one row tile per pass), its
-    partial sums added outside (only the slots a tile's programs write: the rest of the output is never stored)."""
-    if bs.tiles != 1 or (bs.splits or 1) != 1:
-        raise ValueError(f"a balanced launch takes one row tile per pass and no K splits; got {bs}")
-    plan = balanced_plan(sum(tile_counts), steps, bs.programs)
-    written = plan.slots_written()
-    slots = max(written)
-    kernel = functools.partial(_kernel, fmt=fmt, tile_counts=tile_counts, stacked=stacked, block_n=bs.block_n,
-                               tiles=1, kb=kb, steps=steps, levels=levels, prefetch=bs.prefetches(steps),
-                               interpret=interpret, plan=plan)
-    ys = pl.pallas_call(
-        kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct((slots, m, n), jnp.float32) for n in padded),
-        grid=(plan.programs,),
-        in_specs=[WHOLE] * len(operands),
-        out_specs=[WHOLE] * len(padded),
-        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret, debug=debug, name=f"{name}_balanced",
-    )(*operands)
-    outs, first = [], 0
-    for y, n, count in zip(ys, ns, tile_counts):
-        per_row = jnp.repeat(jnp.asarray(written[first:first + count]), bs.block_n)  # [padded rows]
-        first += count
-        stored = jnp.arange(slots)[:, None, None] < per_row[None, None, :]
-        outs.append(jnp.where(stored, y, 0.0).sum(axis=0).astype(out_dtype)[:, :n])
-    return tuple(outs)

@@ -47,7 +47,9 @@ class Backend(Protocol):
 
     def num_image_tokens(self, width: int, height: int) -> int: ...
 
-    def render_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> Prompt: ...
+    def render_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                      template_kwargs: dict | None = None) -> Prompt:
+        """template_kwargs: a request's extra chat template variables (its chat_template_kwargs)."""
 
     def text_prompt(self, text: str) -> Prompt: ...
 

@@ -117,9 +117,11 @@ class Engine:
         if len(self._queue) >= self.max_queue + self.max_concurrency - self.active_slots:
             raise busy_error(f"the server is busy ({self.max_queue} requests waiting); retry later")
 
-    async def prepare_chat(self, messages) -> Prompt:
-        """Parse, decode and preprocess images and render the chat template, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self.backend.render_prompt, messages)
+    async def prepare_chat(self, messages, template_kwargs: dict | None = None) -> Prompt:
+        """Parse, decode and preprocess images and render the chat template (with a request's extra template
+        variables), off the event loop."""
+        render = partial(self.backend.render_prompt, messages, template_kwargs=template_kwargs or None)
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, render)
 
     async def prepare_text(self, text: str) -> Prompt:
         return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self.backend.text_prompt, text)

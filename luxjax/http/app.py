@@ -21,7 +21,7 @@ from luxjax.http.errors import (ApiKeyMiddleware, error_response, http_exception
                                 request_error_handler, unexpected_error_handler)
 from luxjax.http.metrics import Metrics
 from luxjax.http.responses import ResponseFormat, TokenTexts
-from luxjax.http.schemas import parse_chat_request, parse_completion_request
+from luxjax.http.schemas import parse_chat_request, parse_completion_request, parse_template_kwargs
 from luxjax.http.settings import Settings
 from luxjax.http.streaming import EventStreamResponse, stream_chunks
 from luxjax.vision.data_url import redact
@@ -58,7 +58,8 @@ class Service:
             body = await read_json_object(request, self.settings.max_body_bytes)
             parsed = parse_chat_request(body) if chat else parse_completion_request(body)
             self.engine.check_capacity()
-            prompt = await self._prepare(parsed.messages if chat else parsed.prompt, chat=chat)
+            prompt = await self._prepare(parsed.messages if chat else parsed.prompt, chat=chat,
+                                         template_kwargs=parsed.template_kwargs if chat else None)
             generation = self.engine.submit(request_id, prompt, parsed.options.params)
             first = await self._next_event(generation, request)
             if isinstance(first, Failed):
@@ -107,9 +108,10 @@ class Service:
                               prompt.token_ids if options.return_token_ids else None)
         return JSONResponse(body)
 
-    async def _prepare(self, source, *, chat: bool) -> Prompt:
+    async def _prepare(self, source, *, chat: bool, template_kwargs: dict | None = None) -> Prompt:
         try:
-            return await (self.engine.prepare_chat(source) if chat else self.engine.prepare_text(source))
+            return await (self.engine.prepare_chat(source, template_kwargs) if chat
+                          else self.engine.prepare_text(source))
         except RequestError:
             raise
         except Exception as exc:  # client input the prompt pipeline did not anticipate: still the client's
@@ -146,7 +148,7 @@ class Service:
     async def tokenize(self, request: Request) -> Response:
         body = await read_json_object(request, self.settings.max_body_bytes)
         if "messages" in body:
-            prompt = await self._prepare(body["messages"], chat=True)
+            prompt = await self._prepare(body["messages"], chat=True, template_kwargs=parse_template_kwargs(body))
         elif isinstance(body.get("content"), str):
             prompt = await self._prepare(body["content"], chat=False)
         else:

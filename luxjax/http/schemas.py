@@ -12,12 +12,13 @@ from luxjax.errors import RequestError
 
 MAX_STOP_STRINGS = 4
 MAX_COMPLETION_LOGPROBS = 5
+MAX_TEMPLATE_KWARGS = 32
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "stop", "n", "logit_bias"}
 IGNORED_KEYS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 COMMON_KEYS = SAMPLING_KEYS | IGNORED_KEYS | {"stream", "stream_options", "return_token_ids"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                           "tools", "tool_choice"}
+                           "tools", "tool_choice", "chat_template_kwargs"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 
 
@@ -36,6 +37,7 @@ class GenerationOptions:
 class ChatCompletionRequest:
     messages: list
     options: GenerationOptions
+    template_kwargs: dict  # chat_template_kwargs (vLLM's and SGLang's extension): extra chat template variables
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,26 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
     top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    return ChatCompletionRequest(messages, _options(body, max_tokens, logprobs, top_logprobs))
+    return ChatCompletionRequest(messages, _options(body, max_tokens, logprobs, top_logprobs),
+                                 parse_template_kwargs(body))
+
+
+def parse_template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs`: variables for the chat template (e.g. {"enable_thinking": false} for Qwen's), an
+    object of at most MAX_TEMPLATE_KWARGS identifier keys; {} when absent. Names the renderer sets itself are
+    refused where it renders (chat_template.template_variables)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", '"chat_template_kwargs" must be an object of template variables')
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise invalid("chat_template_kwargs", f'"chat_template_kwargs" may hold at most {MAX_TEMPLATE_KWARGS} variables')
+    for key in kwargs:
+        if not key.isidentifier():
+            raise invalid("chat_template_kwargs",
+                          f'"chat_template_kwargs" keys must be template variable names; got {key[:60]!r}')
+    return dict(kwargs)
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:

@@ -24,6 +24,18 @@ from luxjax.errors import RequestError
 
 # Names a message's reasoning is passed under; the first is the one chat templates read (transformers' order).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Variables render_chat sets from its own arguments.
+RENDERER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def template_variables(fixed: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's own template variables (special tokens, ...) and a request's `chat_template_kwargs` together;
+    a requested name that the model or the renderer already sets is refused (400), not silently overridden."""
+    for name in requested:
+        if name in fixed or name in RENDERER_VARIABLES:
+            raise RequestError(f'"chat_template_kwargs" cannot set {name!r}: the server sets it',
+                               param="chat_template_kwargs", code="invalid_value")
+    return {**fixed, **requested}
 
 
 def render_chat(

@@ -17,11 +17,13 @@ MIME_TO_FORMAT = {
     "image/jpeg": "JPEG",
     "image/jpg": "JPEG",
     "image/png": "PNG",
+    "image/gif": "GIF",
     "image/bmp": "BMP",
     "image/webp": "WEBP",
 }
-FORMAT_TO_MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "BMP": "image/bmp", "WEBP": "image/webp"}
-SUPPORTED_TYPES_TEXT = "image/jpeg, image/png, image/bmp or image/webp"
+FORMAT_TO_MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "GIF": "image/gif", "BMP": "image/bmp",
+                  "WEBP": "image/webp"}
+SUPPORTED_TYPES_TEXT = "image/jpeg, image/png, image/gif, image/bmp or image/webp"
 
 _DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
 _BASE64_PAYLOAD = re.compile(r"(data:[^;,\s\"'<>]*(?:;[^;,\s\"'<>]*)*;base64,)([A-Za-z0-9+/=_-]+)", re.IGNORECASE)
@@ -31,7 +33,7 @@ _WHITESPACE = re.compile(r"\s+")
 @dataclass(frozen=True)
 class EncodedImage:
     data: bytes
-    format: str  # PIL format name: JPEG, PNG, BMP, WEBP
+    format: str  # PIL format name: JPEG, PNG, GIF, BMP, WEBP
     mime: str  # as declared by the client, lower-cased
 
 
@@ -46,6 +48,8 @@ def sniff_format(data: bytes) -> str | None:
         return "JPEG"
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return "GIF"
     if data.startswith(b"BM"):
         return "BMP"
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":

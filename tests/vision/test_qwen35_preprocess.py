@@ -109,6 +109,8 @@ ENCODED_CASES = {
     "bmp-P": ("P", "BMP", {}),
     "webp-RGB": ("RGB", "WEBP", {"quality": 80}),
     "webp-RGBA": ("RGBA", "WEBP", {"lossless": True}),
+    "gif-P": ("P", "GIF", {}),
+    "gif-P-transparency": ("P", "GIF", {"transparency": 7}),
 }
 
 

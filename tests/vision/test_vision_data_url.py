@@ -32,7 +32,8 @@ def refusal(image_url, limits: ImageLimits = LIMITS) -> ImageInputError:
 @pytest.mark.parametrize(
     "fmt, mime, expected",
     [("JPEG", "image/jpeg", "JPEG"), ("JPEG", "image/jpg", "JPEG"), ("PNG", "image/png", "PNG"),
-     ("BMP", "image/bmp", "BMP"), ("WEBP", "image/webp", "WEBP"), ("PNG", "IMAGE/PNG", "PNG")],
+     ("BMP", "image/bmp", "BMP"), ("WEBP", "image/webp", "WEBP"), ("PNG", "IMAGE/PNG", "PNG"),
+     ("GIF", "image/gif", "GIF")],
 )
 def test_accepts_supported_formats(fmt, mime, expected):
     data = encode(Image.new("RGB", (8, 8), (1, 2, 3)), fmt)
@@ -83,19 +84,19 @@ def test_refuses_empty_payload():
 
 
 def test_refuses_unsupported_declared_type():
-    gif = encode(Image.new("P", (4, 4)), "GIF")
-    error = refusal({"url": data_url(gif, "image/gif")})
-    assert error.status == 400 and error.code == "unsupported_image" and "image/gif" in error.message
+    tiff = encode(Image.new("RGB", (4, 4)), "TIFF")
+    error = refusal({"url": data_url(tiff, "image/tiff")})
+    assert error.status == 400 and error.code == "unsupported_image" and "image/tiff" in error.message
 
 
 def test_refuses_unsupported_bytes():
-    gif = encode(Image.new("P", (4, 4)), "GIF")
-    error = refusal({"url": data_url(gif, "image/png")})
+    tiff = encode(Image.new("RGB", (4, 4)), "TIFF")
+    error = refusal({"url": data_url(tiff, "image/png")})
     assert error.status == 400 and "not a supported image format" in error.message
 
 
 @pytest.mark.parametrize("data, mime, actual", [(JPEG, "image/png", "image/jpeg"), (PNG, "image/jpeg", "image/png"),
-                                                (PNG, "image/webp", "image/png")])
+                                                (PNG, "image/webp", "image/png"), (PNG, "image/gif", "image/png")])
 def test_refuses_mime_mismatch(data, mime, actual):
     error = refusal({"url": data_url(data, mime)})
     assert error.status == 400 and error.code == "image_type_mismatch"
@@ -134,8 +135,8 @@ def test_total_bytes_budget():
 
 
 def test_sniff_format():
-    assert [sniff_format(d) for d in (JPEG, PNG, b"BM" + bytes(20), b"RIFF\0\0\0\0WEBPVP8 ", b"GIF89a")] == [
-        "JPEG", "PNG", "BMP", "WEBP", None]
+    samples = (JPEG, PNG, b"BM" + bytes(20), b"RIFF\0\0\0\0WEBPVP8 ", b"GIF89a", b"GIF87a", b"II*\0", b"GIF90a")
+    assert [sniff_format(d) for d in samples] == ["JPEG", "PNG", "BMP", "WEBP", "GIF", "GIF", None, None]
 
 
 def test_redact_replaces_every_payload():

@@ -161,9 +161,10 @@ def test_unconvertible_mode_refused():
     assert caught.value.status == 400
 
 
-def test_decoding_keeps_the_first_frame_of_animations():
+@pytest.mark.parametrize("fmt", ["WEBP", "GIF"])
+def test_decoding_keeps_the_first_frame_of_animations(fmt):
     frames = [Image.new("RGB", (16, 16), color) for color in [(255, 0, 0), (0, 0, 255)]]
     buffer = io.BytesIO()
-    frames[0].save(buffer, "WEBP", save_all=True, append_images=frames[1:], lossless=True)
-    image = decode_image(EncodedImage(buffer.getvalue(), "WEBP", "image/webp"), LABEL, LIMITS)
+    frames[0].save(buffer, fmt, save_all=True, append_images=frames[1:], lossless=True)
+    image = decode_image(EncodedImage(buffer.getvalue(), fmt, f"image/{fmt.lower()}"), LABEL, LIMITS)
     assert image.getpixel((8, 8)) == (255, 0, 0)

@@ -75,7 +75,7 @@ class Qwen35Backend:
     def num_image_tokens(self, width: int, height: int) -> int:
         return self.processor.num_tokens(width, height)
 
-    def render_prompt(self, messages, *, add_generation_prompt: bool = True) -> Prompt:
+    def render_prompt(self, messages, *, add_generation_prompt: bool = True, template_kwargs=None) -> Prompt:
         parsed = parse_messages(messages, self.limits, self.image_markers)
         images = [p.image for m in parsed for p in m.images]
         image_inputs = self.image_inputs(images) if images else None
@@ -86,7 +86,8 @@ class Qwen35Backend:
         if not template:
             raise RequestError("this model has no chat template; use /v1/completions")
         return build_prompt(self.tokenizer, template, parsed, messages, image_inputs, pad_id=self.pad_id,
-                            merge=self.merge, add_generation_prompt=add_generation_prompt)
+                            merge=self.merge, add_generation_prompt=add_generation_prompt,
+                            template_kwargs=template_kwargs)
 
     def text_prompt(self, text: str) -> Prompt:
         for marker in self.image_markers:

@@ -7,7 +7,7 @@ from typing import Sequence
 from luxjax.contract import Prompt
 from luxjax.errors import RequestError
 from luxjax.models.qwen35.positions import mrope_positions
-from luxjax.text.chat_template import render_chat
+from luxjax.text.chat_template import render_chat, template_variables
 from luxjax.vision.messages import ChatMessage, ImagePart
 from luxjax.vision.spans import image_spans
 from luxjax.vision.types import ImageInputs
@@ -48,9 +48,9 @@ def expand_image_pads(ids: list[int], pad_id: int, counts: Sequence[int]) -> lis
 
 
 def build_prompt(tokenizer, template: str, parsed, original, image_inputs: ImageInputs | None, *, pad_id: int,
-                 merge: int, add_generation_prompt: bool = True) -> Prompt:
+                 merge: int, add_generation_prompt: bool = True, template_kwargs=None) -> Prompt:
     text = render_chat(template, template_messages(parsed, original), add_generation_prompt=add_generation_prompt,
-                       **tokenizer.template_variables())
+                       **template_variables(tokenizer.template_variables(), template_kwargs or {}))
     ids = tokenizer.encode(text)
     counts = image_inputs.num_tokens if image_inputs is not None else []
     ids = expand_image_pads(ids, pad_id, counts)

@@ -1,7 +1,8 @@
 """Request bodies of /v1/chat/completions and /v1/completions -> validated dataclasses.
 
 Every problem is a 400 RequestError naming the parameter. Unknown parameters are refused rather than silently
-ignored, except a few OpenAI fields that do not change the output (user, metadata, ...).
+ignored, except a few OpenAI fields that do not change the output (user, metadata, ...) and any parameter sent as
+null (clients that serialize every field they know send null for "not set").
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_TEMPLATE_KWARGS = 32
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "stop", "n", "logit_bias"}
-IGNORED_KEYS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+IGNORED_KEYS = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+                "prompt_cache_key"}
 COMMON_KEYS = SAMPLING_KEYS | IGNORED_KEYS | {"stream", "stream_options", "return_token_ids"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                            "tools", "tool_choice", "chat_template_kwargs"}
@@ -143,8 +145,8 @@ def _options(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: i
 
 
 def _refuse_unknown(body: dict, known: set[str]) -> None:
-    for key in body:
-        if key not in known:
+    for key, value in body.items():
+        if key not in known and value is not None:
             raise RequestError(f"unknown parameter {str(key)[:60]!r}", param=str(key)[:60], code="unknown_parameter")
 
 

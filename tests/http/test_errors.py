@@ -109,6 +109,20 @@ def test_malformed_bodies(http, body, message):
     assert message in response.json()["error"]["message"]
 
 
+def test_nulls_and_metadata_parameters_change_nothing(http):
+    """Unknown parameters sent as null (clients that serialize every field) and OpenAI's metadata-only fields are
+    accepted and leave the answer as it was; the same unknown parameter with a value is still refused."""
+    messages = [{"role": "user", "content": "name a colour"}]
+    plain = http.post("/v1/chat/completions", json=chat_body(messages, max_tokens=4))
+    extra = {"audio": None, "prediction": None, "modalities": None, "frobnicate": None,
+             "safety_identifier": base64.b16encode(bytes(range(6))).decode(), "prompt_cache_key": "k1"}
+    padded = http.post("/v1/chat/completions", json=chat_body(messages, max_tokens=4, **extra))
+    assert plain.status_code == padded.status_code == 200, padded.text
+    assert padded.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    refused = http.post("/v1/chat/completions", json=chat_body(messages, max_tokens=4, frobnicate=0))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate"
+
+
 def test_completions_validation(http):
     assert http.post("/v1/completions", json={"prompt": 5}).json()["error"]["param"] == "prompt"
     assert http.post("/v1/completions", json={"prompt": "x", "echo": True}).status_code == 400

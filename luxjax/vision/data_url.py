@@ -24,6 +24,7 @@ MIME_TO_FORMAT = {
 FORMAT_TO_MIME = {"JPEG": "image/jpeg", "PNG": "image/png", "GIF": "image/gif", "BMP": "image/bmp",
                   "WEBP": "image/webp"}
 SUPPORTED_TYPES_TEXT = "image/jpeg, image/png, image/gif, image/bmp or image/webp"
+DETAILS = (None, "auto", "low", "high")  # OpenAI's image_url.detail values (accepted; the model's rule sizes images)
 
 _DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
 _BASE64_PAYLOAD = re.compile(r"(data:[^;,\s\"'<>]*(?:;[^;,\s\"'<>]*)*;base64,)([A-Za-z0-9+/=_-]+)", re.IGNORECASE)
@@ -69,6 +70,9 @@ def parse_image_url(image_url: object, label: str, limits: ImageLimits) -> Encod
         )
     if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
         raise ImageInputError(f'{label}: "image_url" needs a string field "url"', code="invalid_image_url")
+    if image_url.get("detail") not in DETAILS:
+        raise ImageInputError(f'{label}: "detail" must be "auto", "low" or "high" (every image is read at the '
+                              "model's own resolution rule whichever it is)", code="invalid_image_url")
     url = image_url["url"]
     scheme = url[:8].lower()
     if scheme.startswith(("http://", "https://")):

@@ -60,9 +60,11 @@ class PatchCodes:
         return rows if dtype is None else rows.astype(dtype)
 
     def padded_codes(self, rows: int) -> np.ndarray:
-        """codes with zero rows appended up to `rows` (a bucketed patch count)."""
-        out = np.zeros((rows, *self.codes.shape[1:]), np.uint8)
+        """codes with zero rows appended up to `rows` (a bucketed patch count); only the appended rows are zeroed
+        (the codes are megabytes on an image's way to the tower)."""
+        out = np.empty((rows, *self.codes.shape[1:]), np.uint8)
         out[: len(self)] = self.codes
+        out[len(self):] = 0
         return out
 
 

@@ -41,6 +41,17 @@ def test_accepts_supported_formats(fmt, mime, expected):
     assert encoded == EncodedImage(data, expected, mime.lower())
 
 
+@pytest.mark.parametrize("detail", ["ultra", "", 1, ["high"]])
+def test_refuses_unknown_detail(detail):
+    error = refusal({"url": data_url(PNG, "image/png"), "detail": detail})
+    assert error.status == 400 and '"detail"' in error.message
+
+
+@pytest.mark.parametrize("detail", [None, "auto", "low", "high"])
+def test_accepts_openai_details(detail):
+    assert parse_image_url({"url": data_url(PNG, "image/png"), "detail": detail}, LABEL, LIMITS).data == PNG
+
+
 def test_accepts_whitespace_in_base64():
     url = "data:image/png;base64," + base64.encodebytes(PNG).decode()  # 76-column lines
     assert parse_image_url({"url": url}, LABEL, LIMITS).data == PNG

@@ -52,6 +52,7 @@ class Qwen35Backend:
         # then does not depend on how the weights were loaded, and XLA's persistent compilation cache finds the
         # programs of a built model's run when the next start restores its parameters
         self.state = jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
+        self._sharding = jax.tree.leaves(self.state)[0].sharding  # where device inputs are committed
         self.jit_graphdef = qwen.HashedGraphDef(self.graphdef)  # what the jitted functions take (hashed once)
         self.tokenizer = tokenizer
         self.processor = processor
@@ -129,8 +130,9 @@ class Qwen35Backend:
         return jax.device_put(self._decoder().init_cache(slots, max_len, self.dtype), self._weights_sharding())
 
     def _weights_sharding(self):
-        """Where the weights live: device inputs are committed there."""
-        return jax.tree.leaves(self.state)[0].sharding
+        """Where the weights live: device inputs are committed there (looked up once: walking the state's leaves
+        took ~0.1 ms a call, on every image's way to the tower)."""
+        return self._sharding
 
     def _decoder(self):
         return nnx.merge(self.graphdef, self.state).text

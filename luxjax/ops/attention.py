@@ -181,25 +181,15 @@ def _kernel_block_diagonal_attention(q, k, v, segment_ids, *, scale: float):
     return xla_block_diagonal_attention(q, k, v, segment_ids, scale=scale)
 
 
-# Head dims that cuDNN's fused attention takes zero-padded to a wider one it runs faster (scores and outputs are the
-# same: the zero columns add nothing to q.k and come out as zero columns of the output, dropped).
-CUDNN_PADDED_HEAD_DIM: dict[int, int] = {}
-
-
 def cudnn_block_diagonal_attention(q, k, v, segments: ImageSegments, *, scale: float):
     """block_diagonal_attention by cuDNN's fused attention, the images as packed sequences of one batch row
     (JAX's cuDNN binding: jax.nn.dot_product_attention exposes no packing). Needs segments.fits."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    d = q.shape[-1]
-    padded = CUDNN_PADDED_HEAD_DIM.get(d, d)
-    if padded != d:
-        widths = [(0, 0)] * (q.ndim - 1) + [(0, padded - d)]
-        q, k, v = (jnp.pad(a, widths) for a in (q, k, v))
     lengths, offsets = segments.lengths[None], segments.offsets[None]
     out = cudnn.dot_product_attention(q[None], k[None], v[None], None, None, lengths, lengths, offsets, offsets,
                                       scale=scale, mask_type=cudnn.MaskType.PADDING)[0]
-    return jnp.where((segments.ids >= 0)[:, None, None], out[..., :d], 0).astype(q.dtype)
+    return jnp.where((segments.ids >= 0)[:, None, None], out, 0).astype(q.dtype)
 
 
 def xla_block_diagonal_attention(q, k, v, segment_ids, *, scale: float):

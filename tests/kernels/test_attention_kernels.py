@@ -288,14 +288,11 @@ def test_image_segments_are_the_runs(seed, max_segments):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a CUDA GPU")
-@pytest.mark.parametrize("d, padded", [(72, 72), (72, 80), (72, 128), (64, 64)])
-def test_cudnn_block_diagonal_attention(seed, d, padded, monkeypatch):
+@pytest.mark.parametrize("d", [72, 64])
+def test_cudnn_block_diagonal_attention(seed, d):
     """cuDNN's packed-sequence attention (where backend.cudnn_packed_attention finds it) and the op's choice of it,
-    against the float32 XLA path, the head given to cuDNN as it is or zero-padded to `padded`; a batch with more
-    images than MAX_PACKED_SEGMENTS takes the kernel instead."""
+    against the float32 XLA path; a batch with more images than MAX_PACKED_SEGMENTS takes the kernel instead."""
     from luxjax.ops import attention, backend
-
-    monkeypatch.setitem(attention.CUDNN_PADDED_HEAD_DIM, d, padded)
 
     backend.cudnn_packed_attention.cache_clear()
     outside = backend.cudnn_packed_attention()
@@ -316,7 +313,5 @@ def test_cudnn_block_diagonal_attention(seed, d, padded, monkeypatch):
             outs["cudnn"] = attention.cudnn_block_diagonal_attention(q, k, v, segments, scale=d**-0.5)
         for name, out in outs.items():
             err = rel_err(out, ref)
-            assert out.shape == q.shape, f"{name} {d=} {padded=}: {out.shape}"
-            assert err < TOL[jnp.bfloat16], (f"{name} {d=} {padded=} ids {np.asarray(ids).tolist()}: rel err "
-                                             f"{err:.2e}, {seed=}")
+            assert err < TOL[jnp.bfloat16], f"{name} {d=} ids {np.asarray(ids).tolist()}: rel err {err:.2e}, {seed=}"
             assert not np.asarray(out[np.asarray(ids) < 0], np.float32).any(), "padding rows must be zero"

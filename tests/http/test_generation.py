@@ -3,9 +3,13 @@ change nothing."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from http_helpers import FIXTURES, IMAGES, data_url, image_part, resized_data_url, text_part
 
@@ -51,6 +55,26 @@ def test_fixture_prompts_give_transformers_greedy_tokens(client, http, name):
     assert response.usage.completion_tokens == len(ref["greedy"])
     assert response.usage.total_tokens == len(ref["input_ids"]) + len(ref["greedy"])
     assert choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize("frames", [1, 2], ids=["still", "animated"])
+def test_gif_is_answered_as_its_first_frame(client, frames):
+    """A GIF (a palette image of a fresh random size, an animation's second frame noise) gets the greedy answer of
+    its first frame's pixels sent as a lossless PNG, PIL's decoding being the oracle."""
+    rng = np.random.default_rng()
+    size = (int(rng.integers(48, 160)), int(rng.integers(48, 160)))
+    first = Image.open(IMAGES / "photo-desk.jpeg").convert("RGB").resize(size).quantize(int(rng.integers(16, 200)))
+    noise = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).quantize(64)
+    gif = io.BytesIO()
+    first.save(gif, "GIF", save_all=frames > 1, append_images=[noise] if frames > 1 else [])
+    png = io.BytesIO()
+    Image.open(io.BytesIO(gif.getvalue())).convert("RGB").save(png, "PNG")
+    answers = []
+    for data, mime in ((gif.getvalue(), "image/gif"), (png.getvalue(), "image/png")):
+        url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+        response = chat(client, [{"role": "user", "content": [image_part(url), text_part("What is shown?")]}])
+        answers.append((response.usage.prompt_tokens, response.choices[0].model_extra["token_ids"]))
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.parametrize("messages", [

@@ -61,20 +61,23 @@ class Model:
         """Merger output, one row per image token: np.float32 [tokens, hidden]."""
         return np.asarray(self.backend.encode_images(image_inputs), dtype=np.float32)
 
-    def render_prompt(self, messages: Sequence[dict]) -> tuple[list[int], ImageInputs | None]:
-        prompt = self.backend.render_prompt(messages)
+    def render_prompt(self, messages: Sequence[dict], template_kwargs: dict | None = None
+                      ) -> tuple[list[int], ImageInputs | None]:
+        prompt = self.prompt(messages, template_kwargs)
         return prompt.token_ids, prompt.image_inputs
 
-    def prompt(self, messages: Sequence[dict]) -> Prompt:
-        return self.backend.render_prompt(messages)
+    def prompt(self, messages: Sequence[dict], template_kwargs: dict | None = None) -> Prompt:
+        """template_kwargs: extra chat template variables, as the server's chat_template_kwargs (e.g.
+        {"enable_thinking": False} for Qwen's templates)."""
+        return self.backend.render_prompt(messages, template_kwargs=template_kwargs or None)
 
     def forward_logits(self, input_ids: Sequence[int], image_inputs: ImageInputs | None = None) -> np.ndarray:
         """Logits at every position, np.float32 [T, vocab], in one prefill of the whole sequence."""
         return prompt_logits(self.backend, list(input_ids), image_inputs)
 
     def generate(self, messages: Sequence[dict], max_tokens: int = 64, temperature: float = 0.0,
-                 seed: int | None = None) -> Generation:
-        return generate(self.backend, self.backend.render_prompt(messages), max_tokens=max_tokens,
+                 seed: int | None = None, template_kwargs: dict | None = None) -> Generation:
+        return generate(self.backend, self.prompt(messages, template_kwargs), max_tokens=max_tokens,
                         temperature=temperature, seed=seed)
 
 

@@ -80,3 +80,14 @@ def test_bad_template_kwargs_are_400(http, route, kwargs, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "chat_template_kwargs" and message in error["message"], error
+
+
+def test_notebook_api_takes_template_kwargs(model, reference, thinking_template):
+    """luxjax.api.Model (the notebook path) renders with the same variables as the server and transformers."""
+    messages = [{"role": "user", "content": random_words(4)}]
+    kwargs = {"enable_thinking": False, "note": random_words(3)}
+    ids, _ = model.render_prompt(messages, template_kwargs=kwargs)
+    assert ids == reference_ids(reference, messages, **kwargs)
+    assert model.prompt(messages).token_ids == reference_ids(reference, messages)
+    generation = model.generate(messages, max_tokens=2, template_kwargs=kwargs)
+    assert generation.prompt_tokens == len(ids)

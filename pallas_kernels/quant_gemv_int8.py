@@ -70,6 +70,11 @@ PREFETCH_MIN_STEPS = 8  # K steps per row tile from which BlockSizes.prefetch's 
 BLOCK = 256  # values per K block of every format here
 FORMATS = tuple(INT8_FORMATS)
 _CONSTANTS = (MAGIC, SIGNED_MAGIC, *IQ4_SIGNED_TABLE_WORDS)  # laid out as quant_decode.KERNEL_CONSTANTS
+# The weights' bytes are read once a call: loaded as first to leave L2, they leave the step's small operands (x's
+# words, the DeltaNet state, caches, the next launch's inputs) in place. Batch-1 IQ4_XS decode of the 27B on an H200
+# 122.0 / 122.0 -> 123.3 / 123.6 tokens/s, and 122.7 / 122.8 -> 124.0 / 124.4 in another call (runs alternated;
+# batch 4 and the products timed alone unchanged within 1%: benchmarks/RESULTS.md, session 31).
+WEIGHT_EVICTION = "evict_first"
 
 
 @dataclass(frozen=True)
@@ -375,7 +380,7 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     def tile_planes(t):
         out_rows = pl.ds(pl.multiple_of(first_row + t * block_n, block_n), block_n)
         prefix = (out_rows,) if layer is None else (layer, out_rows)
-        return {name: RowView(ref, prefix) for name, ref in zip(fmt.planes, plane_refs)}
+        return {name: RowView(ref, prefix, WEIGHT_EVICTION) for name, ref in zip(fmt.planes, plane_refs)}
 
     def k_slice(s):
         return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)

@@ -125,16 +125,22 @@ def blocks_per_step(blocks: int, wanted: int) -> int:
 
 class RowView:
     """This program's BN rows (of layer `layer` when stacked) of a whole plane ref, indexed like a [BN, blocks, ...]
-    block: view[:, sl, ...] -> ref[layer, rows, sl, ...] in one load (Triton lowers a single indexer)."""
+    block: view[:, sl, ...] -> ref[layer, rows, sl, ...] in one load (Triton lowers a single indexer), with the
+    cache eviction policy `eviction` (Triton's: "evict_first" for bytes read once; None: the default)."""
 
-    def __init__(self, ref, prefix):
-        self._ref, self._prefix = ref, prefix
+    def __init__(self, ref, prefix, eviction: str | None = None):
+        self._ref, self._prefix, self._eviction = ref, prefix, eviction
 
     def __getitem__(self, idx):
         idx = idx if isinstance(idx, tuple) else (idx,)
         if idx[0] != slice(None):
             raise IndexError("a row view is indexed over all its rows first")
-        return self._ref[(*self._prefix, *idx[1:])]
+        index = (*self._prefix, *idx[1:])
+        if self._eviction is None:
+            return self._ref[index]
+        # integers as int32 scalars: the interpreter's discharge of plgpu.load takes no Python int index
+        index = tuple(jnp.int32(i) if isinstance(i, int) else i for i in index)
+        return plgpu.load(self._ref.at[index], eviction_policy=self._eviction)
 
 
 WHOLE = pl.BlockSpec()  # the whole array: the kernel indexes its rows itself

@@ -24,8 +24,10 @@ from luxjax.errors import RequestError
 
 # Names a message's reasoning is passed under; the first is the one chat templates read (transformers' order).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# Variables render_chat sets from its own arguments.
-RENDERER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+# Variables render_chat sets from its own arguments, and the functions compile_template gives every template
+# (range: the sandbox's own).
+RENDERER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt",
+                      "raise_exception", "strftime_now", "dict", "namespace", "range")
 
 
 def template_variables(fixed: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any]:

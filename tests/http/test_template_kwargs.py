@@ -70,6 +70,7 @@ def test_chat_completion_renders_with_the_template_kwargs(http, reference, think
     ({"messages": []}, "cannot set 'messages'"),
     ({"add_generation_prompt": False}, "cannot set 'add_generation_prompt'"),
     ({"eos_token": "x"}, "cannot set 'eos_token'"),  # the tokenizer's own variable
+    ({"raise_exception": "x"}, "cannot set 'raise_exception'"),  # a function every template gets
     ({"not a name": 1}, "variable names"),
     ({f"v{i}": i for i in range(33)}, "at most 32"),
 ])

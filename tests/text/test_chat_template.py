@@ -183,3 +183,17 @@ def test_non_json_objects_reach_the_template_as_placeholders():
 
     template = "{% for p in messages[0].content %}{{ p.image }}{% endfor %}"
     assert render_chat(template, [{"role": "user", "content": [{"type": "image", "image": Picture()}]}]) == "<Picture>"
+
+
+def test_template_kwargs_cannot_shadow_what_the_renderer_gives_templates():
+    """Every global compile_template adds or replaces is a name chat_template_kwargs may not set."""
+    import jinja2.defaults
+
+    from luxjax.text.chat_template import RENDERER_VARIABLES, compile_template, template_variables
+
+    own = {name for name, value in compile_template("{{ 1 }}").globals.items()
+           if jinja2.defaults.DEFAULT_NAMESPACE.get(name) is not value}
+    assert own and own <= set(RENDERER_VARIABLES)
+    for name in own:
+        with pytest.raises(RequestError, match=f"cannot set '{name}'"):
+            template_variables({}, {name: 1})

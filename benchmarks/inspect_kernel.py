@@ -1,4 +1,5 @@
-"""The int8 decode GEMV as a GPU would compile it, read without a GPU: registers, layout conversions, SASS opcodes.
+"""The int8 decode GEMV as a GPU would compile it, read without a GPU: registers, layout conversions, SASS opcodes
+(the kernel's and its K loop's: a loop step is what every program repeats, the rest runs once a program).
 
     python benchmarks/inspect_kernel.py --out 17408 --in 5120 --tiles 16,4,8 [--prefetch] [--dtype float32]
     python benchmarks/inspect_kernel.py ... --triton /path/to/venv/bin/python   (a Python with PyPI's triton)
@@ -46,12 +47,19 @@ tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin], capture_output=True,
                        text=True).stdout
 sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", cubin], capture_output=True, text=True).stdout
-ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
-    r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M))
+code = [(int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)) for m in re.finditer(
+    r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, re.M)]
+ops = collections.Counter(op for _, op, _ in code)
+# the K loop: the longest span a backward branch closes (the kernel's one loop; the final BRA to itself is not one)
+spans = [(int(t.group(1), 16), at) for at, op, rest in code if op == "BRA"
+         for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < at]
+first, last = max(spans, key=lambda s: s[1] - s[0], default=(1, 0))
+loop = collections.Counter(op for at, op, _ in code if first <= at <= last)
 print(json.dumps({"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "shared_bytes": k.metadata.shared,
                   "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"),
                   "async_copies": ops.get("LDGSTS", 0),
-                  "sass_instructions": sum(ops.values()), "opcodes": dict(ops.most_common(16))}))
+                  "sass_instructions": sum(ops.values()), "opcodes": dict(ops.most_common(16)),
+                  "loop_instructions": sum(loop.values()), "loop_opcodes": dict(loop.most_common(12))}))
 """
 
 

@@ -190,9 +190,10 @@ def test_fma_is_registered_and_rounds_once(seed):
 
 
 def test_byte_perm_picks_the_selected_bytes(seed):
-    """pallas_kernels.byte_perm reaches Pallas's Triton lowering, and inside a kernel (libdevice's __nv_byte_perm
-    when compiled on CUDA, shifts and masks elsewhere) and in XLA it gives byte i = byte ((s >> 4i) & 7) of
-    [a, b]: checked against numpy indexing the eight little-endian bytes."""
+    """pallas_kernels.byte_perm reaches Pallas's Triton lowering, and inside a kernel (LLVM's llvm.nvvm.prmt when
+    compiled on CUDA, shifts and masks elsewhere) and in XLA it gives byte i = byte ((s >> 4i) & 7) of [a, b],
+    whatever the selector's upper 16 bits hold (the IQ4 lookup passes whole words of codes): checked against numpy
+    indexing the eight little-endian bytes."""
     from jax.experimental import pallas as pl
 
     from pallas_kernels.byte_perm import REGISTERED, byte_perm
@@ -201,7 +202,8 @@ def test_byte_perm_picks_the_selected_bytes(seed):
     rng = np.random.default_rng(seed)
     a, b = (rng.integers(0, 2**32, (8, 128), dtype=np.uint32) for _ in range(2))
     picks = rng.integers(0, 8, (8, 128, 4))
-    selector = (picks << (4 * np.arange(4))).sum(axis=-1).astype(np.uint32)
+    upper = (rng.integers(0, 8, (8, 128, 4)) << (4 * np.arange(4, 8))).sum(axis=-1)  # nibbles 4..7: unused
+    selector = ((picks << (4 * np.arange(4))).sum(axis=-1) + upper).astype(np.uint32)
     eight = np.concatenate([a[..., None].view(np.uint8), b[..., None].view(np.uint8)], axis=-1)  # [8, 128, 8]
     want = np.take_along_axis(eight, picks, axis=-1).copy().view(np.uint32)[..., 0]
 

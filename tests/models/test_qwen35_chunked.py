@@ -15,7 +15,9 @@ of 1 and 7 differed by 1.6e-4..1.5e-3), as does a batch whose sequences sit at d
 Decode steps run the recurrent form, which orders the arithmetic differently, so they are held to the parity bound
 (1e-3) against the one-pass prefill's logits (measured: 1.7e-4..5.2e-4), and so is a prefill after decode steps,
 whose tokens' DeltaNet inputs the cache keeps for it (measured on 8 seeds: its logits 9.2e-5..2e-4, the next step's
-2.8e-5..1.7e-4; caches 3.5e-5..1.1e-4, held to 5e-4). The bookkeeping errors tried (boundary not moved, pending row
+2.8e-5..1.7e-4; caches 3.5e-5..1.1e-4, held to 5e-4). Past that bound, transformers' float64 logits arbitrate
+(check_against_float64): random prompts have float32-sensitive positions where the one pass itself sits ~1e-3 from
+float64. The bookkeeping errors tried (boundary not moved, pending row
 off by one, stale rows read) showed as 1 and more.
 Each test prints what it measured, the first ones also their distances to transformers' float64 logits."""
 from __future__ import annotations
@@ -39,6 +41,7 @@ FLOAT32_SHARE = 0.5
 # order may follow the shapes: up to 5.5e-5 seen between chunkings); bookkeeping errors show as 1 and more
 ALIGNED_TOL = 2e-4
 DECODE_TOL = 1e-3  # logits after decode steps (recurrent form) vs one-pass prefill: the transformers parity bound
+DECODE_FLOAT64_FACTOR = 2  # past DECODE_TOL: distance from float64 vs the one pass's own (check_against_float64)
 DECODE_STATE_TOL = 5e-4  # caches after decode steps and a prefill
 PROMPT_SEED_OFFSET = 104729  # the prompt's seed from the session seed
 AFTER_DECODE_SEED_OFFSET = 130363
@@ -239,6 +242,18 @@ def test_recurrent_decode_matches_prefill(fixture_model_f32):
           + float64_distances(steps, one_pass, float64_logits(FIXTURE_HF, Case("text", ids, []))))
 
 
+def check_against_float64(ours, one_pass, truth, first_row: int, where: str) -> None:
+    """Decode-path logits that sit more than DECODE_TOL from the one-pass prefill's: float32-sensitive positions of
+    random prompts put even the one pass ~1e-3 from float64 (measured: decode steps 1.5e-3 from the one pass, which
+    was 9.2e-4 from float64 there, they 6.1e-4), so the decode path is held to DECODE_TOL or
+    DECODE_FLOAT64_FACTOR times the one pass's own distance from transformers' float64 logits, whichever is larger.
+    Bookkeeping errors show as 1 and more."""
+    distance, own = max_abs(ours, truth), max_abs(one_pass, truth)
+    allowed = max(DECODE_TOL, DECODE_FLOAT64_FACTOR * own)
+    assert distance <= allowed, (f"{where}: {max_abs(ours, one_pass):.3g} from the one pass, {distance:.3g} from "
+                                 f"float64 (the one pass {own:.3g}) at position {first_row + worst_row(ours, truth)}")
+
+
 def test_prefill_after_decode_steps(fixture_model_f32, session_seed):
     """Prefill, decode steps fed the prompt's next tokens (the cache keeps their DeltaNet inputs; the step of token
     63 completes a 64-token block, leaving that block's inputs as stale rows), then prefill of the rest: that prefill
@@ -272,14 +287,18 @@ def test_prefill_after_decode_steps(fixture_model_f32, session_seed):
     m_caches = snapshot(mixed)
     m_after, _ = backend.decode(mixed, np.array([token]), np.array([total]), np.array([0]))
 
-    step_diff = max_abs(np.stack(steps), logits[first:decoded])
-    assert step_diff <= DECODE_TOL, f"{where}: decode steps differ from the one pass by {step_diff:.3g}"
-    diff = max_abs(rest, logits[decoded:])
-    assert diff <= DECODE_TOL, (f"{where}: the prefill after decode differs from the one pass by {diff:.3g} "
-                                f"at position {decoded + worst_row(rest, logits[decoded:])}")
+    steps = np.stack(steps)
+    m_after = np.asarray(m_after, np.float32)[0]
+    parts = {"decode steps": (steps, logits[first:decoded], slice(first, decoded)),
+             "prefill after decode": (rest, logits[decoded:], slice(decoded, total)),
+             "next decode step": (m_after[None], after[None], slice(total, total + 1))}
+    diffs = {name: max_abs(ours, one_pass) for name, (ours, one_pass, _) in parts.items()}
+    if max(diffs.values()) > DECODE_TOL:  # a float32-sensitive position? float64 arbitrates
+        truth = float64_logits(FIXTURE_HF, Case("text", ids + [token], []))
+        for name, (ours, one_pass, rows) in parts.items():
+            check_against_float64(ours, one_pass, truth[rows], rows.start, f"{where}: {name}")
     cache_diff = compare_caches(m_caches, caches, total, where, DECODE_STATE_TOL)
-    next_diff = max_abs(np.asarray(m_after, np.float32)[0], after)
-    assert next_diff <= DECODE_TOL, f"{where}: the next decode step differs by {next_diff:.3g}"
+    step_diff, diff, next_diff = diffs.values()
     print(f"{where}: decode steps {step_diff:.3g}, prefill after them {diff:.3g}, caches {cache_diff:.3g}, "
           f"next step {next_diff:.3g}")
 

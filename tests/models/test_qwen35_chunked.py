@@ -17,8 +17,8 @@ Decode steps run the recurrent form, which orders the arithmetic differently, so
 whose tokens' DeltaNet inputs the cache keeps for it (measured on 8 seeds: its logits 9.2e-5..2e-4, the next step's
 2.8e-5..1.7e-4; caches 3.5e-5..1.1e-4, held to 5e-4). Past that bound, transformers' float64 logits arbitrate
 (check_against_float64): random prompts have float32-sensitive positions where the one pass itself sits ~1e-3 from
-float64. The bookkeeping errors tried (boundary not moved, pending row
-off by one, stale rows read) showed as 1 and more.
+float64; the caches' bound then grows by as much as the logits went past theirs. The bookkeeping errors tried
+(boundary not moved, pending row off by one, stale rows read) showed as 1 and more.
 Each test prints what it measured, the first ones also their distances to transformers' float64 logits."""
 from __future__ import annotations
 
@@ -297,7 +297,10 @@ def test_prefill_after_decode_steps(fixture_model_f32, session_seed):
         truth = float64_logits(FIXTURE_HF, Case("text", ids + [token], []))
         for name, (ours, one_pass, rows) in parts.items():
             check_against_float64(ours, one_pass, truth[rows], rows.start, f"{where}: {name}")
-    cache_diff = compare_caches(m_caches, caches, total, where, DECODE_STATE_TOL)
+    # caches held as the logits: past the bound on a float32-sensitive prompt, by as much as the logits went past it
+    # (measured on 15 seeds: 2.9e-5..1.2e-4, and 3.1e-4 where the decode steps sat 1.5e-3 from the one pass)
+    state_tol = DECODE_STATE_TOL * max(1.0, max(diffs.values()) / DECODE_TOL)
+    cache_diff = compare_caches(m_caches, caches, total, where, state_tol)
     step_diff, diff, next_diff = diffs.values()
     print(f"{where}: decode steps {step_diff:.3g}, prefill after them {diff:.3g}, caches {cache_diff:.3g}, "
           f"next step {next_diff:.3g}")

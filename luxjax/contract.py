@@ -48,10 +48,11 @@ class Backend(Protocol):
     def num_image_tokens(self, width: int, height: int) -> int: ...
 
     def render_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                      template_kwargs: dict | None = None) -> Prompt:
-        """template_kwargs: a request's extra chat template variables (its chat_template_kwargs)."""
+                      template_kwargs: dict | None = None, max_tokens: int | None = None) -> Prompt:
+        """template_kwargs: a request's extra chat template variables (its chat_template_kwargs). max_tokens: refuse
+        (400) text that cannot make fewer tokens before tokenizing it (Tokenizer.encode)."""
 
-    def text_prompt(self, text: str) -> Prompt: ...
+    def text_prompt(self, text: str, *, max_tokens: int | None = None) -> Prompt: ...
 
     def prompt_from_ids(self, token_ids: Sequence[int], image_inputs: ImageInputs | None) -> Prompt: ...
 

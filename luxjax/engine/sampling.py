@@ -17,6 +17,7 @@ import numpy as np
 from luxjax.engine.requests import MAX_TOP_LOGPROBS, SamplingParams
 
 NEG_INF = -jnp.inf
+TOP_K_MAX = 2**31 - 1  # int32; any k at or past the vocabulary keeps every token, like 0
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class RowParams:
         return cls(
             temperature=np.array([p.temperature for p, _, _ in filled], np.float32),
             top_p=np.array([p.top_p for p, _, _ in filled], np.float32),
-            top_k=np.array([p.top_k for p, _, _ in filled], np.int32),
+            top_k=np.array([min(p.top_k, TOP_K_MAX) for p, _, _ in filled], np.int32),
             min_p=np.array([p.min_p for p, _, _ in filled], np.float32),
             presence=np.array([p.presence_penalty for p, _, _ in filled], np.float32),
             frequency=np.array([p.frequency_penalty for p, _, _ in filled], np.float32),

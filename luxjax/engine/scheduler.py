@@ -57,6 +57,15 @@ def internal_error(what: str, exc: BaseException) -> RequestError:
                         status=500, type="server_error", code="internal_error")
 
 
+def check_sampling_params(params: SamplingParams, seed: int) -> None:
+    """Build the request's device row now, so parameters the scheduler thread could not use fail this request
+    with a 400 instead of the batch it would join."""
+    try:
+        RowParams.build([(params, seed, 0)])
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise RequestError(f"sampling parameters out of range: {exc}", code="invalid_value") from None
+
+
 def busy_error(message: str) -> RequestError:
     return RequestError(message, status=503, type="server_error", code="server_busy")
 
@@ -120,11 +129,13 @@ class Engine:
     async def prepare_chat(self, messages, template_kwargs: dict | None = None) -> Prompt:
         """Parse, decode and preprocess images and render the chat template (with a request's extra template
         variables), off the event loop."""
-        render = partial(self.backend.render_prompt, messages, template_kwargs=template_kwargs or None)
+        render = partial(self.backend.render_prompt, messages, template_kwargs=template_kwargs or None,
+                         max_tokens=self.max_ctx)
         return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, render)
 
     async def prepare_text(self, text: str) -> Prompt:
-        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self.backend.text_prompt, text)
+        encode = partial(self.backend.text_prompt, text, max_tokens=self.max_ctx)
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, encode)
 
     def resolve_max_tokens(self, prompt: Prompt, params: SamplingParams) -> int:
         """The number of tokens to generate at most; 400 context_length_exceeded when they cannot fit."""
@@ -138,8 +149,12 @@ class Engine:
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> GenerationRequest:
         """Queue a request (call from the event loop that will read its events)."""
+        if prompt.num_tokens == 0:
+            raise RequestError("the prompt is empty: it must hold at least one token", param="prompt",
+                               code="invalid_value")
         max_tokens = self.resolve_max_tokens(prompt, params)
         seed = params.seed if params.seed is not None else secrets.randbits(32)
+        check_sampling_params(params, seed)
         request = GenerationRequest(request_id, prompt, params, max_tokens, seed, asyncio.get_running_loop())
         with self._lock:
             if self._stopping:
@@ -227,23 +242,23 @@ class Engine:
         end = next_chunk_end(begin, prompt.num_tokens, prompt.image_spans,
                              self.prefill_chunk if others_decoding else self.solo_prefill_chunk,
                              self.backend.keep_images_whole)
+        params = seq.request.params
         try:
             logits, self._caches = self.backend.prefill(self._caches, i, prompt, seq.image_rows, begin, end)
+            seq.cached = end
+            if seq.prefilling:
+                return
+            row = RowParams.build([(params, seq.request.seed, 0)])
+            token, logprob, top_ids, top_values = sample_tokens(
+                jnp.reshape(logits, (1, -1)), jnp.zeros((1, self.backend.vocab_size), jnp.int32), row,
+                top_logprobs=top_logprobs_width([params]))
         except Exception as exc:
             log.exception("request %s: prefill failed", seq.request.request_id)
             self._slots[i] = None
             seq.request.send(Failed(exc if isinstance(exc, RequestError) else internal_error("prefill", exc)))
             self._recover_caches()
             return
-        seq.cached = end
-        if seq.prefilling:
-            return
         seq.image_rows = None
-        params = seq.request.params
-        row = RowParams.build([(params, seq.request.seed, 0)])
-        token, logprob, top_ids, top_values = sample_tokens(
-            jnp.reshape(logits, (1, -1)), jnp.zeros((1, self.backend.vocab_size), jnp.int32), row,
-            top_logprobs=top_logprobs_width([params]))
         self._counts = count_tokens(self._counts, jnp.full((self.max_concurrency,), token[0]),
                                     jnp.arange(self.max_concurrency) == i)
         self._accept(i, *_host_row(token, logprob, top_ids, top_values, 0))
@@ -291,11 +306,11 @@ class Engine:
         seq.first_token_at = seq.first_token_at or now
         seq.last_token_at = now
         logprobs = (logprob,) if logprob is not None and seq.request.params.logprobs else ()
-        if token in self.eos_ids:
+        if token in self.eos_ids:  # not a completion token: no text, no logprobs entry, not counted
             tail = seq.stops.push(seq.decoder.flush())
             tail += seq.stops.flush()
-            if tail or logprobs:
-                seq.request.send(Delta(tail, (), logprobs))
+            if tail:
+                seq.request.send(Delta(tail, (), ()))
             self._finish(i, "stop")
             return
         seq.generated.append(token)

@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from luxjax.contract import Prompt
@@ -20,7 +20,7 @@ from luxjax.errors import RequestError
 from luxjax.http.errors import (ApiKeyMiddleware, error_response, http_exception_handler, read_json_object,
                                 request_error_handler, unexpected_error_handler)
 from luxjax.http.metrics import Metrics
-from luxjax.http.responses import ResponseFormat, TokenTexts
+from luxjax.http.responses import JSONBody, ResponseFormat, TokenTexts
 from luxjax.http.schemas import parse_chat_request, parse_completion_request, parse_template_kwargs
 from luxjax.http.settings import Settings
 from luxjax.http.streaming import EventStreamResponse, stream_chunks
@@ -106,7 +106,7 @@ class Service:
         body = fmt.completion("".join(text), event, logprobs if options.params.logprobs else None,
                               token_ids if options.return_token_ids else None,
                               prompt.token_ids if options.return_token_ids else None)
-        return JSONResponse(body)
+        return JSONBody(body)
 
     async def _prepare(self, source, *, chat: bool, template_kwargs: dict | None = None) -> Prompt:
         try:
@@ -153,21 +153,29 @@ class Service:
             prompt = await self._prepare(body["content"], chat=False)
         else:
             raise RequestError('send {"messages": [...]} or {"content": "..."}', param="content")
-        return JSONResponse({"tokens": prompt.token_ids, "count": prompt.num_tokens,
-                             "image_tokens": prompt.num_image_tokens})
+        return JSONBody({"tokens": prompt.token_ids, "count": prompt.num_tokens,
+                         "image_tokens": prompt.num_image_tokens})
+
+    def model_card(self) -> dict:
+        capabilities = ["completion", "chat"] + (["multimodal"] if self.backend.supports_images else [])
+        return {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "luxjax",
+                "capabilities": capabilities,
+                "meta": {"n_ctx": self.engine.max_ctx, "n_vocab": self.backend.vocab_size,
+                         "dtype": str(self.backend.dtype)}}
 
     async def models(self, request: Request) -> Response:
-        capabilities = ["completion", "chat"] + (["multimodal"] if self.backend.supports_images else [])
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "luxjax",
-            "capabilities": capabilities,
-            "meta": {"n_ctx": self.engine.max_ctx, "n_vocab": self.backend.vocab_size,
-                     "dtype": str(self.backend.dtype)},
-        }]})
+        return JSONBody({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model's card (the SDKs' models.retrieve); 404 for any other id."""
+        if request.path_params["model_id"] != self.settings.model_id:
+            raise RequestError(f"no model {request.path_params['model_id'][:100]!r} is served here", status=404,
+                               param="model", code="model_not_found")
+        return JSONBody(self.model_card())
 
     async def props(self, request: Request) -> Response:
         vision = bool(self.backend.supports_images)
-        return JSONResponse({
+        return JSONBody({
             "model_alias": self.settings.model_id,
             "model_path": self.settings.model,
             "mmproj_path": self.settings.mmproj,
@@ -181,7 +189,7 @@ class Service:
         })
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONBody({"status": "ok"})
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -193,6 +201,7 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
         Route("/v1/completions", service.completions, methods=["POST"]),
         Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", service.model, methods=["GET"]),
         Route("/props", service.props, methods=["GET"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/tokenize", service.tokenize, methods=["POST"]),

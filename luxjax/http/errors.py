@@ -11,9 +11,9 @@ import logging
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
 
 from luxjax.errors import RequestError
+from luxjax.http.responses import JSONBody
 from luxjax.vision.data_url import redact
 
 log = logging.getLogger("luxjax.http")
@@ -21,18 +21,18 @@ RETRY_AFTER_SECONDS = 1
 LARGE_BODY_BYTES = 1 << 20  # parsed in a worker thread, off the event loop
 
 
-def error_response(error: RequestError) -> JSONResponse:
+def error_response(error: RequestError) -> JSONBody:
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
     body = error.to_openai()
     body["error"]["message"] = redact(body["error"]["message"])
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    return JSONBody(body, status_code=error.status, headers=headers)
 
 
-async def request_error_handler(request: Request, exc: RequestError) -> JSONResponse:
+async def request_error_handler(request: Request, exc: RequestError) -> JSONBody:
     return error_response(exc)
 
 
-async def http_exception_handler(request: Request, exc: HTTPException) -> JSONResponse:
+async def http_exception_handler(request: Request, exc: HTTPException) -> JSONBody:
     if exc.status_code == 404:
         error = RequestError(f"unknown route: {request.method} {request.url.path}", status=404, code="not_found")
     elif exc.status_code == 405:
@@ -45,7 +45,7 @@ async def http_exception_handler(request: Request, exc: HTTPException) -> JSONRe
     return response
 
 
-async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
+async def unexpected_error_handler(request: Request, exc: Exception) -> JSONBody:
     log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
     return error_response(RequestError("internal server error", status=500, type="server_error", code="internal_error"))
 
@@ -79,6 +79,8 @@ async def read_json_object(request: Request, limit: int) -> dict:
         raise RequestError(f"the body is not valid JSON{position}", code="invalid_json") from None
     except RecursionError:
         raise RequestError("the body's JSON is nested too deeply", code="invalid_json") from None
+    except ValueError:  # Python's int_max_str_digits: an integer literal of more than 4,300 digits
+        raise RequestError("the body's JSON holds a number too long to read", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object", code="invalid_json")
     return body

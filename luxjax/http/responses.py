@@ -1,11 +1,30 @@
 """The OpenAI object shapes: chat.completion(.chunk) and text_completion, with logprobs and usage."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from starlette.responses import JSONResponse
+
 from luxjax.engine.requests import Finished, TokenLogprob
+
+
+def json_bytes(obj) -> bytes:
+    """Compact UTF-8 JSON. A string that has no UTF-8 form (a lone surrogate a client sent as "\\ud800", echoed
+    back as the model name or in an error message) is written \\u-escaped instead of failing the response."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+class JSONBody(JSONResponse):
+    """Starlette's JSONResponse rendered by json_bytes."""
+
+    def render(self, content) -> bytes:
+        return json_bytes(content)
 
 
 def usage(finished: Finished) -> dict:

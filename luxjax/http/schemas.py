@@ -20,7 +20,7 @@ IGNORED_KEYS = {"model", "user", "metadata", "store", "service_tier", "parallel_
                 "prompt_cache_key"}
 COMMON_KEYS = SAMPLING_KEYS | IGNORED_KEYS | {"stream", "stream_options", "return_token_ids"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                           "tools", "tool_choice", "chat_template_kwargs"}
+                           "tools", "tool_choice", "chat_template_kwargs", "modalities"}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 
 
@@ -61,6 +61,8 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
         raise invalid("tools", "tool calling is not supported by this server")
     if body.get("tool_choice") not in (None, "none"):
         raise invalid("tool_choice", "tool calling is not supported by this server")
+    if body.get("modalities") not in (None, ["text"]):
+        raise invalid("modalities", 'only modalities ["text"] is supported')
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise invalid("response_format", 'only response_format {"type": "text"} is supported')

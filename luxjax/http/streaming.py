@@ -3,11 +3,10 @@ that goes away (and tells the engine, so the slot is freed within a step)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 
 from luxjax.engine.requests import Delta, Event, Failed, Finished, GenerationRequest
-from luxjax.http.responses import ResponseFormat
+from luxjax.http.responses import ResponseFormat, json_bytes
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -15,7 +14,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 async def stream_chunks(first: Event, generation: GenerationRequest, fmt: ResponseFormat, *, include_usage: bool,

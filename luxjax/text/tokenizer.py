@@ -5,6 +5,7 @@ beside it: the named special tokens that chat templates see, the stop ids, and t
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from luxjax.text.chat_template import render_chat
 
 if TYPE_CHECKING:
     import gguf
+
+GIL_FREE_ENCODE_CHARS = 1 << 16  # longer texts are encoded by encode_batch, which releases the GIL
 
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES), in its order: the variables chat templates get.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -162,9 +165,34 @@ class Tokenizer:
 
         return tokenizer_from_gguf(reader_or_path)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Ids of `text`; special tokens written in the text (`<|im_start|>`) become their single ids."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, *, max_tokens: int | None = None) -> list[int]:
+        """Ids of `text`; special tokens written in the text (`<|im_start|>`) become their single ids.
+
+        With `max_tokens`, text too long to make at most that many tokens is refused (400
+        context_length_exceeded) before it is tokenized: a 40 MB prompt would otherwise take a minute."""
+        if max_tokens is not None:
+            self._check_can_fit(text, max_tokens)
+        if len(text) < GIL_FREE_ENCODE_CHARS:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works: the HTTP event loop keeps answering meanwhile
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of normalized text one token can stand for: the longest vocabulary entry (a
+        byte-level entry has a character per byte, a SentencePiece entry one per character or more)."""
+        return max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
+
+    def _check_can_fit(self, text: str, max_tokens: int) -> None:
+        bound = max_tokens * self.max_token_chars
+        if len(text) <= bound:
+            return
+        normalizer = self._backend.normalizer  # NFC may compose characters: count what the model sees
+        if normalizer is not None and len(text := normalizer.normalize_str(text)) <= bound:
+            return
+        raise RequestError(
+            f"the prompt is {len(text)} characters long: more than the {max_tokens} tokens of the context can hold "
+            f"(a token covers at most {self.max_token_chars} characters)", code="context_length_exceeded")
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -84,6 +84,7 @@ PARAM_CASES = {
     "min_p": ({"min_p": 2}, "min_p"),
     "penalty": ({"presence_penalty": 3}, "presence_penalty"),
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "audio_out": ({"modalities": ["text", "audio"]}, "modalities"),
 }
 
 
@@ -114,7 +115,7 @@ def test_nulls_and_metadata_parameters_change_nothing(http):
     accepted and leave the answer as it was; the same unknown parameter with a value is still refused."""
     messages = [{"role": "user", "content": "name a colour"}]
     plain = http.post("/v1/chat/completions", json=chat_body(messages, max_tokens=4))
-    extra = {"audio": None, "prediction": None, "modalities": None, "frobnicate": None,
+    extra = {"audio": None, "prediction": None, "modalities": ["text"], "frobnicate": None,
              "safety_identifier": base64.b16encode(bytes(range(6))).decode(), "prompt_cache_key": "k1"}
     padded = http.post("/v1/chat/completions", json=chat_body(messages, max_tokens=4, **extra))
     assert plain.status_code == padded.status_code == 200, padded.text

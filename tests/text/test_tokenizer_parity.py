@@ -94,3 +94,47 @@ def test_chat_templates(hf_tokenizer, gguf_tokenizer):
 def test_decode_accepts_numpy_ids(ours):
     ids = ours.encode("hello world")
     assert ours.decode(np.asarray(ids, dtype=np.int64)) == "hello world"
+
+
+def test_length_limit_refuses_only_text_that_cannot_fit(ours, reference, seed):
+    """encode(text, max_tokens=m) refuses text by its (normalized) length before tokenizing it; transformers' count
+    arbitrates: a refusal is right only when the text really makes more than m tokens, and text of the vocabulary's
+    longest entries, or of decomposed characters NFC composes, is never refused while it fits."""
+    from luxjax.errors import RequestError
+
+    rng = random.Random(seed)
+    vocab = reference.get_vocab()
+    longest = max(len(token) for token in vocab)  # byte-level entries: a character per byte
+    long_tokens = [reference.convert_tokens_to_string([t]) for t in vocab if len(t) >= longest - 4]
+    kinds = {"random": lambda: random_text(rng), "long tokens": lambda: "".join(rng.choices(long_tokens, k=40)),
+             "decomposed": lambda: "".join(rng.choice("aeouAEOU") + "\u0301" for _ in range(200)),
+             "jamo": lambda: "\u1100\u1161\u11a8" * 150}
+    refused = 0
+    for name, make in kinds.items():
+        for _ in range(10):
+            text = make()
+            expected = reference.encode(text, add_special_tokens=False)
+            for limit in {len(expected), len(expected) + 1, rng.randint(1, len(expected)), len(text) // longest - 1}:
+                if limit < 1:
+                    continue
+                try:
+                    got = ours.encode(text, max_tokens=limit)
+                except RequestError as exc:
+                    assert exc.code == "context_length_exceeded" and len(expected) > limit, (
+                        f"seed={seed} {name}: refused {len(text)} characters making {len(expected)} <= {limit} tokens")
+                    refused += 1
+                    continue
+                assert got == expected, f"seed={seed} {name} text={text!r}"
+    assert refused, f"seed={seed}: no text was refused"
+
+
+def test_text_past_the_gil_free_length_encodes_like_transformers(ours, reference, seed):
+    from luxjax.text.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    rng = random.Random(seed)
+    pieces, size = [], 0
+    while size <= GIL_FREE_ENCODE_CHARS:
+        pieces.append(random_text(rng))
+        size += len(pieces[-1])
+    text = "".join(pieces)
+    assert ours.encode(text) == reference.encode(text, add_special_tokens=False), f"seed={seed}"

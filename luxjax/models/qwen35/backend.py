@@ -76,7 +76,8 @@ class Qwen35Backend:
     def num_image_tokens(self, width: int, height: int) -> int:
         return self.processor.num_tokens(width, height)
 
-    def render_prompt(self, messages, *, add_generation_prompt: bool = True, template_kwargs=None) -> Prompt:
+    def render_prompt(self, messages, *, add_generation_prompt: bool = True, template_kwargs=None,
+                      max_tokens: int | None = None) -> Prompt:
         parsed = parse_messages(messages, self.limits, self.image_markers)
         images = [p.image for m in parsed for p in m.images]
         image_inputs = self.image_inputs(images) if images else None
@@ -88,13 +89,14 @@ class Qwen35Backend:
             raise RequestError("this model has no chat template; use /v1/completions")
         return build_prompt(self.tokenizer, template, parsed, messages, image_inputs, pad_id=self.pad_id,
                             merge=self.merge, add_generation_prompt=add_generation_prompt,
-                            template_kwargs=template_kwargs)
+                            template_kwargs=template_kwargs, max_tokens=max_tokens)
 
-    def text_prompt(self, text: str) -> Prompt:
+    def text_prompt(self, text: str, *, max_tokens: int | None = None) -> Prompt:
         for marker in self.image_markers:
             if marker in text:
                 raise RequestError(f"prompt contains the reserved image marker {marker!r}", param="prompt")
-        return prompt_from_ids(self.tokenizer.encode(text), None, pad_id=self.pad_id, merge=self.merge, text=text)
+        ids = self.tokenizer.encode(text, max_tokens=max_tokens)
+        return prompt_from_ids(ids, None, pad_id=self.pad_id, merge=self.merge, text=text)
 
     def prompt_from_ids(self, token_ids, image_inputs) -> Prompt:
         """A prompt whose pads are already expanded (e.g. transformers' processor output)."""
@@ -111,7 +113,8 @@ class Qwen35Backend:
         count (PatchCodes travel as their uint8 codes and table and are expanded there) and the grid, a row per frame
         padded to a bucketed count, sent in one transfer; the tower lays the patches out from the grid itself."""
         pixels = image_inputs.pixel_values
-        padded = bucket(len(pixels), 64, quarters_above=PATCH_QUARTERS_ABOVE)
+        unit = self.merge**2  # the merger takes the patches merge**2 at a time: pad to whole units (merge 3: 9)
+        padded = -(-bucket(len(pixels), 64, quarters_above=PATCH_QUARTERS_ABOVE) // unit) * unit
         frames = int(np.asarray(image_inputs.grid_thw)[:, 0].sum())
         # the rows padded to cuDNN's packed-segment count at least: the tower compiles per patch bucket only
         grid = frame_grid(image_inputs.grid_thw, bucket(frames, MAX_PACKED_SEGMENTS))

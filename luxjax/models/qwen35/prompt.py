@@ -48,10 +48,11 @@ def expand_image_pads(ids: list[int], pad_id: int, counts: Sequence[int]) -> lis
 
 
 def build_prompt(tokenizer, template: str, parsed, original, image_inputs: ImageInputs | None, *, pad_id: int,
-                 merge: int, add_generation_prompt: bool = True, template_kwargs=None) -> Prompt:
+                 merge: int, add_generation_prompt: bool = True, template_kwargs=None,
+                 max_tokens: int | None = None) -> Prompt:
     text = render_chat(template, template_messages(parsed, original), add_generation_prompt=add_generation_prompt,
                        **template_variables(tokenizer.template_variables(), template_kwargs or {}))
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, max_tokens=max_tokens)
     counts = image_inputs.num_tokens if image_inputs is not None else []
     ids = expand_image_pads(ids, pad_id, counts)
     return prompt_from_ids(ids, image_inputs, pad_id=pad_id, merge=merge, text=text)

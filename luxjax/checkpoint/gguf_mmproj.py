@@ -12,16 +12,14 @@ import os
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
 from luxjax.checkpoint.gguf_reader import (
     LoadedCheckpoint,
     Materialize,
     Wanted,
     load_wanted,
-    metadata_of,
+    read_gguf,
     require_key,
-    tensors_of,
 )
 from luxjax.checkpoint.quants import to_device_weight
 from luxjax.errors import ModelFormatError
@@ -38,9 +36,7 @@ def load_qwen35_mmproj(
     path: str | os.PathLike, *, progress: bool = True, materialize: Materialize = to_device_weight
 ) -> LoadedCheckpoint:
     """Load a clip mmproj GGUF for Qwen3.5; `materialize` as in load_qwen35_gguf."""
-    reader = GGUFReader(path)
-    metadata = metadata_of(reader)
-    tensors = tensors_of(reader)
+    metadata, tensors, file_bytes = read_gguf(path)
     _check_projector(metadata, tensors, path)
     vision_config = vision_config_from_metadata(metadata, path)
     loaded = load_wanted(
@@ -53,7 +49,7 @@ def load_qwen35_mmproj(
     return LoadedCheckpoint(
         loaded,
         metadata,
-        os.path.getsize(path),
+        file_bytes,
         vision_config=vision_config,
         preprocessor_config=preprocessor_config_from_metadata(metadata, vision_config, path),
     )

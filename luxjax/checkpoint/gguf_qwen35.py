@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
 from luxjax.checkpoint.gguf_mmproj import load_qwen35_mmproj
 from luxjax.checkpoint.gguf_reader import (
@@ -25,10 +24,9 @@ from luxjax.checkpoint.gguf_reader import (
     Materialize,
     Wanted,
     load_wanted,
-    metadata_of,
+    read_gguf,
     read_gguf_metadata,
     require_key,
-    tensors_of,
 )
 from luxjax.checkpoint.quants import to_device_weight
 from luxjax.errors import ModelFormatError
@@ -46,12 +44,10 @@ def load_qwen35_gguf(
 
     `materialize` defaults to quants.to_device_weight (packed quantized weights); tests pass a dequantizer.
     """
-    reader = GGUFReader(path)
-    metadata = metadata_of(reader)
+    metadata, tensors, file_bytes = read_gguf(path)
     arch = metadata.get("general.architecture")
     if arch != ARCH:
         raise ModelFormatError(f"{os.fspath(path)}: general.architecture is {arch!r}, expected {ARCH!r}")
-    tensors = tensors_of(reader)
     if "token_embd.weight" not in tensors:
         raise ModelFormatError(f"{os.fspath(path)}: missing required tensors: token_embd.weight")
     vocab_size = tensors["token_embd.weight"].shape[0]
@@ -63,7 +59,7 @@ def load_qwen35_gguf(
         materialize=materialize,
         progress=progress,
     )
-    return LoadedCheckpoint(loaded, metadata, os.path.getsize(path), text_config=text_config)
+    return LoadedCheckpoint(loaded, metadata, file_bytes, text_config=text_config)
 
 
 def text_config_from_metadata(

@@ -6,8 +6,10 @@ checks presence and shapes for the whole list before anything is moved, then loa
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,6 +92,53 @@ def _shortest_float32(value: float) -> float:
 
 def tensors_of(reader: GGUFReader) -> dict[str, GGUFTensor]:
     return {t.name: _tensor(t) for t in reader.tensors}
+
+
+# llama.cpp's gguf-split (llama_split_path): PREFIX-00001-of-00003.gguf ...; the first part holds the metadata, every
+# part its own tensors and the keys split.no (0-based), split.count and split.tensors.count (the total).
+SPLIT_FILE_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: str | os.PathLike, metadata: dict[str, Any]) -> list[Path]:
+    """The files of a GGUF checkpoint, in order: [path] alone unless its metadata says it was split."""
+    count = int(metadata.get("split.count") or 1)
+    if count <= 1:
+        return [Path(path)]
+    number = int(metadata.get("split.no") or 0)
+    if number != 0:
+        raise ModelFormatError(f"{os.fspath(path)} is part {number + 1} of a GGUF split in {count}: give the first "
+                               "part (...-00001-of-...), which holds the metadata")
+    match = SPLIT_FILE_NAME.match(Path(path).name)
+    if match is None or int(match["count"]) != count:
+        raise ModelFormatError(f"{os.fspath(path)}: the first of {count} split parts, but its name is not llama.cpp's "
+                               f"PREFIX-00001-of-{count:05d}.gguf, so the other parts cannot be found")
+    parts = [Path(path).with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelFormatError(f"{os.fspath(path)}: split GGUF parts missing beside it: {', '.join(missing)}")
+    return parts
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTensor], int]:
+    """(metadata, tensors, bytes on disk) of a GGUF checkpoint, a single file or the first of its split parts."""
+    reader = GGUFReader(path)
+    metadata = metadata_of(reader)
+    parts = split_parts(path, metadata)
+    tensors = tensors_of(reader)
+    for number, part in enumerate(parts[1:], start=1):
+        part_reader = GGUFReader(part)
+        found = part_reader.fields.get("split.no")
+        if found is None or int(found.contents()) != number:
+            raise ModelFormatError(f"{part}: not part {number + 1} of the split GGUF {os.fspath(path)} (split.no)")
+        for name, tensor in tensors_of(part_reader).items():
+            if name in tensors:
+                raise ModelFormatError(f"{part}: tensor {name} is also in an earlier split part")
+            tensors[name] = tensor
+    expected = int(metadata.get("split.tensors.count") or len(tensors))
+    if len(parts) > 1 and len(tensors) != expected:
+        raise ModelFormatError(f"{os.fspath(path)}: the split parts hold {len(tensors)} tensors, split.tensors.count "
+                               f"says {expected}")
+    return metadata, tensors, sum(os.path.getsize(p) for p in parts)
 
 
 def _tensor(t: ReaderTensor) -> GGUFTensor:

@@ -32,10 +32,11 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(bias) if bias is not None else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = linear(x, self.weight.get_value())
-        if self.bias is not None:
-            y = y + self.bias.get_value().astype(y.dtype)
-        return y
+        return self.add_bias(linear(x, self.weight.get_value()))
+
+    def add_bias(self, y: jax.Array) -> jax.Array:
+        """y plus the bias, if there is one: also for products computed beside others (linear_many)."""
+        return y if self.bias is None else y + self.bias.get_value().astype(y.dtype)
 
 
 class Embedding(nnx.Module):

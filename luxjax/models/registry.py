@@ -11,6 +11,10 @@ HF_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": qwen35.load_hf_dir,
     "Qwen3_5ForCausalLM": qwen35.load_hf_dir,
 }
+HF_MODEL_TYPES = {  # for a config.json without "architectures" (transformers' Auto classes go by model_type)
+    "qwen3_5": qwen35.load_hf_dir,
+    "qwen3_5_text": qwen35.load_hf_dir,
+}
 GGUF_ARCHITECTURES = {
     "qwen35": qwen35.load_gguf,
 }
@@ -23,11 +27,15 @@ def load_backend(path: Path, mmproj: Path | None, dtype, **kw):
         config = path / "config.json"
         if not config.exists():
             raise ModelFormatError(f"{path}: not a Hugging Face model directory (no config.json)")
-        archs = json.loads(config.read_text()).get("architectures") or []
+        raw = json.loads(config.read_text())
+        archs = raw.get("architectures") or []
         for arch in archs:
             if arch in HF_ARCHITECTURES:
                 return HF_ARCHITECTURES[arch](path, dtype, **kw)
-        raise ModelFormatError(f"{path}: architectures {archs} are not supported (known: {sorted(HF_ARCHITECTURES)})")
+        if not archs and raw.get("model_type") in HF_MODEL_TYPES:
+            return HF_MODEL_TYPES[raw["model_type"]](path, dtype, **kw)
+        raise ModelFormatError(f"{path}: architectures {archs} / model_type {raw.get('model_type')!r} are not supported "
+                               f"(known: {sorted(HF_ARCHITECTURES)}, model types {sorted(HF_MODEL_TYPES)})")
     if path.suffix == ".gguf":
         from luxjax.checkpoint.gguf_reader import read_gguf_metadata
 

@@ -333,3 +333,57 @@ def test_tied_embeddings_when_output_is_absent(tmp_path):
     ckpt = load_qwen35_gguf(path, materialize=dequantizing, progress=False)
     assert ckpt.text_config["tie_word_embeddings"] is True
     assert "lm_head.weight" not in ckpt.tensors
+
+
+def split_gguf(src: Path, directory: Path, parts: int) -> list[Path]:
+    """The file cut as llama.cpp's gguf-split cuts it: PREFIX-0000i-of-0000N.gguf, the metadata in the first part,
+    the tensors shared out in order, and split.no / split.count / split.tensors.count in every part."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    tensors = list(reader.tensors)
+    bounds = np.linspace(0, len(tensors), parts + 1).astype(int)
+    paths = []
+    for i in range(parts):
+        path = directory / f"{src.stem}-{i + 1:05d}-of-{parts:05d}.gguf"
+        writer = gguf.GGUFWriter(path, arch)
+        if i == 0:
+            for key, field in reader.fields.items():
+                if not key.startswith("GGUF.") and key != "general.architecture":
+                    sub_type = field.types[-1] if field.types[0] == V.ARRAY else None
+                    writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+        writer.add_key_value("split.no", i, V.UINT16)
+        writer.add_key_value("split.count", parts, V.UINT16)
+        writer.add_key_value("split.tensors.count", len(tensors), V.INT32)
+        for t in tensors[bounds[i]:bounds[i + 1]]:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("load, source", [(load_qwen35_gguf, decoder("Q4_K_M")), (load_qwen35_mmproj, mmproj("Q8_0"))])
+def test_split_files_load_like_the_whole_file(tmp_path, load, source):
+    whole = load(source, materialize=dequantizing, progress=False)
+    parts = split_gguf(source, tmp_path, 3)
+    split = load(parts[0], materialize=dequantizing, progress=False)
+    assert split.tensors.keys() == whole.tensors.keys()
+    for name, value in whole.tensors.items():
+        assert np.array_equal(split.tensors[name], value, equal_nan=True), name
+    assert split.file_bytes == sum(p.stat().st_size for p in parts)
+    assert (split.text_config, split.vision_config) == (whole.text_config, whole.vision_config)
+
+
+def test_split_files_refusals(tmp_path):
+    parts = split_gguf(decoder("Q4_0"), tmp_path, 3)
+    with pytest.raises(ModelFormatError, match="part 2 of a GGUF split in 3: give the first part"):
+        load_qwen35_gguf(parts[1], materialize=dequantizing, progress=False)
+    renamed = parts[0].rename(tmp_path / "first.gguf")
+    with pytest.raises(ModelFormatError, match="PREFIX-00001-of-00003.gguf"):
+        load_qwen35_gguf(renamed, materialize=dequantizing, progress=False)
+    renamed.rename(parts[0])
+    parts[2].unlink()
+    with pytest.raises(ModelFormatError, match=f"missing beside it: {parts[2].name}"):
+        load_qwen35_gguf(parts[0], materialize=dequantizing, progress=False)

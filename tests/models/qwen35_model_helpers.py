@@ -165,7 +165,8 @@ def load_reference(directory: Path, dtype: str = "float32"):
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-    arch = json.loads((directory / "config.json").read_text())["architectures"][0]
+    config = json.loads((directory / "config.json").read_text())
+    arch = (config.get("architectures") or ["Qwen3_5ForConditionalGeneration"])[0]
     cls = Qwen3_5ForCausalLM if arch == "Qwen3_5ForCausalLM" else Qwen3_5ForConditionalGeneration
     load_dtype = torch.bfloat16 if dtype == "bfloat16-load" else torch.float32
     model = cls.from_pretrained(directory, attn_implementation="eager", dtype=load_dtype)
@@ -247,10 +248,11 @@ class Case:
     images: list[Image.Image]
     pixel_values: np.ndarray | None = None
     grid_thw: np.ndarray | None = None
+    merge: int = 2  # spatial merge: merge**2 patches per image token
 
     @property
     def num_tokens_per_image(self) -> list[int]:
-        return [] if self.grid_thw is None else [int(t * h * w // 4) for t, h, w in self.grid_thw]
+        return [] if self.grid_thw is None else [int(t * h * w // self.merge**2) for t, h, w in self.grid_thw]
 
     @property
     def mm_token_type_ids(self) -> np.ndarray:
@@ -272,21 +274,22 @@ def random_image(rng: np.random.Generator, width: int, height: int) -> Image.Ima
     return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
 
 
-def image_tokens(width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+def image_tokens(width: int, height: int, min_pixels: int, max_pixels: int, merge: int = 2) -> int:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    h, w = smart_resize(height, width, factor=32, min_pixels=min_pixels, max_pixels=max_pixels)
-    return (h // 32) * (w // 32)
+    factor = 16 * merge
+    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return (h // factor) * (w // factor)
 
 
 def image_sizes(rng: np.random.Generator, count: int, min_pixels: int, max_pixels: int,
-                patches=IMAGE_PATCHES) -> list[tuple[int, int]]:
-    """`count` random (width, height) whose images take `patches` patches in all (4 patches per token), all of
-    different token counts."""
+                patches=IMAGE_PATCHES, merge: int = 2) -> list[tuple[int, int]]:
+    """`count` random (width, height) whose images take `patches` patches in all (merge**2 patches per token), all
+    of different token counts."""
     for _ in range(10000):
         sizes = [(int(rng.integers(40, 420)), int(rng.integers(40, 420))) for _ in range(count)]
-        tokens = [image_tokens(w, h, min_pixels, max_pixels) for w, h in sizes]
-        if patches[0] <= 4 * sum(tokens) <= patches[1] and len(set(tokens)) == count:
+        tokens = [image_tokens(w, h, min_pixels, max_pixels, merge) for w, h in sizes]
+        if patches[0] <= merge**2 * sum(tokens) <= patches[1] and len(set(tokens)) == count:
             return sizes
     raise AssertionError(f"no {count} image sizes found for {patches} patches")
 
@@ -295,15 +298,16 @@ def make_case(rng: np.random.Generator, label: str, num_images: int, processor=N
               max_pixels=None, total_tokens=PROMPT_TOKENS, patches=IMAGE_PATCHES) -> Case:
     """A chat-shaped prompt of random ordinary tokens with `num_images` random images between text runs,
     processed by transformers' image processor, of a random length in `total_tokens`."""
-    images = [random_image(rng, w, h) for w, h in image_sizes(rng, num_images, min_pixels, max_pixels, patches)] \
-        if num_images else []
+    merge = getattr(processor, "merge_size", 2)
+    images = [random_image(rng, w, h) for w, h in image_sizes(rng, num_images, min_pixels, max_pixels, patches,
+                                                              merge)] if num_images else []
     pixel_values = grid = None
     counts: list[int] = []
     if images:
         out = processor(images=images, return_tensors="np")
         pixel_values = np.asarray(out["pixel_values"], np.float32)
         grid = np.asarray(out["image_grid_thw"], np.int64)
-        counts = [int(t * h * w // 4) for t, h, w in grid]
+        counts = [int(t * h * w // merge**2) for t, h, w in grid]
     fixed = 3 + 5 + 2 * num_images + sum(counts)  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
     total = int(rng.integers(total_tokens[0], total_tokens[1] + 1))
     text_budget = total - fixed
@@ -321,7 +325,7 @@ def make_case(rng: np.random.Generator, label: str, num_images: int, processor=N
             ids += [VISION_START] + [IMAGE_PAD] * counts[i] + [VISION_END]
     ids += [EOS, tail[0], IM_START] + tail[1:]  # <|im_end|>\n<|im_start|>assistant\n
     assert len(ids) == total, (len(ids), total)
-    return Case(label, ids, images, pixel_values, grid)
+    return Case(label, ids, images, pixel_values, grid, merge)
 
 
 # --- the transformers side -------------------------------------------------------------------------------------

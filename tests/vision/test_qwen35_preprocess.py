@@ -201,9 +201,17 @@ def test_is_an_image_preprocessor():
     assert empty.pixel_values.shape == (0, 1536) and empty.grid_thw.shape == (0, 3) and empty.num_images == 0
 
 
-def test_rejects_non_rgb_input():
-    with pytest.raises(ValueError, match="RGB"):
-        Qwen35ImageProcessor()([Image.new("L", (64, 64))])
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "L", "P", "CMYK", "I;16", "1"])
+def test_converts_non_rgb_input(make_oracle, mode):
+    """PIL images handed to the processor itself (Model.image_inputs) in any mode: converted as transformers'
+    processor converts them, and hashed like the same image converted on the chat path."""
+    seed = fresh_seed()
+    image = _mode_image(np.random.default_rng(seed), mode, 70, 45)
+    expected = make_oracle(TINY)([image])
+    ours = Qwen35ImageProcessor.from_preprocessor_config(TINY)([image])
+    np.testing.assert_array_equal(ours.grid_thw, expected["image_grid_thw"], err_msg=f"{mode} seed={seed}")
+    assert np.array_equal(ours.pixel_values, expected["pixel_values"]), f"{mode} seed={seed}"
+    assert ours.hashes == [image_hash(prepare_pil_image(image, "image 1", LIMITS))], f"{mode} seed={seed}"
 
 
 def test_config_parsing():

@@ -24,10 +24,9 @@ class GatedAttention(nnx.Module):
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = Linear(w("q_proj.weight"))
-        self.k_proj = Linear(w("k_proj.weight"))
-        self.v_proj = Linear(w("v_proj.weight"))
-        self.o_proj = Linear(w("o_proj.weight"))
+        bias = (lambda name: w(f"{name}.bias")) if cfg.attention_bias else (lambda name: None)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            Linear(w(f"{name}.weight"), bias(name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.q_norm = ZeroCenteredRMSNorm(w("q_norm.weight"), cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(w("k_norm.weight"), cfg.rms_norm_eps)
 
@@ -35,7 +34,9 @@ class GatedAttention(nnx.Module):
         """x [B, T, hidden]; cos/sin [B, T, rotary_dim]; start [B] = tokens already cached per sequence;
         valid [B, T]: tokens whose keys/values are written (padding and idle slots leave the cache alone)."""
         B, T, _ = x.shape
-        q_gate, k, v = linear_many(x, [p.weight.get_value() for p in (self.q_proj, self.k_proj, self.v_proj)])
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        products = linear_many(x, [p.weight.get_value() for p in projections])
+        q_gate, k, v = (p.add_bias(y) for p, y in zip(projections, products))
         if T == 1 and gated_decode_fused(cache.k, cache.v, self.heads, self.head_dim, cos.shape[-1]):
             return self._decode_fused(q_gate, k, v, cos, sin, cache, start, valid)
         q_gate = q_gate.reshape(B, T, self.heads, 2 * self.head_dim)

@@ -11,6 +11,20 @@ from luxjax.errors import ModelFormatError
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+DEFAULT_ROPE_THETA = 10_000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+def rope_parameters(d: dict, *, partial_rotary_factor: float | None = None) -> dict:
+    """The rope settings of a config dict as transformers gathers them (convert_rope_params_to_dict): a legacy
+    `rope_scaling` dict, else `rope_parameters`, completed by the top-level `rope_theta` and `partial_rotary_factor`
+    (else the defaults: DEFAULT_ROPE_THETA, and the model's `partial_rotary_factor`)."""
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA))
+    partial = d.get("partial_rotary_factor", partial_rotary_factor)
+    if partial is not None:
+        rope.setdefault("partial_rotary_factor", partial)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,7 @@ class TextConfig:
     mrope_section: tuple[int, int, int] = (11, 11, 10)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 262144
+    attention_bias: bool = False  # biases on the full-attention layers' q/k/v/o projections
     # "grouped": HF order (key head g serves value heads g*r..g*r+r-1);
     # "tiled": llama.cpp order (value head i uses key head i % k_heads), kept for packed GGUF weights.
     linear_value_head_order: str = "grouped"
@@ -64,7 +79,7 @@ class TextConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "TextConfig":
-        rope = d.get("rope_parameters") or {}
+        rope = rope_parameters(d, partial_rotary_factor=0.25)  # Qwen3_5TextConfig's default, kept for old configs
         n = d["num_hidden_layers"]
         layer_types = d.get("layer_types")
         if layer_types is None:
@@ -74,8 +89,8 @@ class TextConfig:
         unknown = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
         if unknown:
             raise ModelFormatError(f"unknown layer types {sorted(unknown)} in text config")
-        if rope.get("rope_type", "default") != "default":
-            raise ModelFormatError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+        if rope["rope_type"] not in ("default", "mrope"):  # "mrope": Qwen2-VL's legacy name of the same rope
+            raise ModelFormatError(f"rope_type {rope['rope_type']!r} is not supported (only 'default')")
         if not rope.get("mrope_interleaved", True):
             raise ModelFormatError("non-interleaved M-RoPE is not supported by the qwen35 model")
         heads = d["num_attention_heads"]
@@ -94,11 +109,12 @@ class TextConfig:
             linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
             layer_types=layer_types,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", d.get("rope_theta", 1e7)),
-            partial_rotary_factor=rope.get("partial_rotary_factor", 0.25),
+            rope_theta=rope["rope_theta"],
+            partial_rotary_factor=rope["partial_rotary_factor"],
             mrope_section=tuple(rope.get("mrope_section", (11, 11, 10)))[:3],
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             max_position_embeddings=d.get("max_position_embeddings", 262144),
+            attention_bias=bool(d.get("attention_bias", False)),
             linear_value_head_order=d.get("linear_value_head_order", "grouped"),
         )
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
@@ -137,7 +153,9 @@ class VisionConfig:
 
     @property
     def grid_side(self) -> int:
-        return int(round(self.num_position_embeddings**0.5))
+        """Side of the learned position-embedding grid: transformers' int(num_position_embeddings ** 0.5), which
+        leaves the rows past the largest square unused when the count is not a square."""
+        return int(self.num_position_embeddings**0.5)
 
     @classmethod
     def from_hf(cls, d: dict) -> "VisionConfig":
@@ -159,7 +177,7 @@ class VisionConfig:
             temporal_patch_size=d.get("temporal_patch_size", 2),
             in_channels=d.get("in_channels", 3),
             hidden_act=d.get("hidden_act", "gelu_pytorch_tanh"),
-            rope_theta=(d.get("rope_parameters") or {}).get("rope_theta", 1e4),
+            rope_theta=rope_parameters(d)["rope_theta"],
             layer_norm_eps=d.get("layer_norm_eps", 1e-6),
         )
 

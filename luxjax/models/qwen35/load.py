@@ -45,19 +45,32 @@ def _read_hf_dir(path: Path, progress: bool) -> tuple[dict, dict | None, dict]:
     has_vision = bool(raw.get("vision_config")) and any(n.startswith("model.visual.") for n in tensors)
     if not has_vision:
         return {**raw, "vision_config": None}, None, tensors
-    pre = path / "preprocessor_config.json"
-    if not pre.exists():
-        raise ModelFormatError(f"{path}: vision checkpoint without preprocessor_config.json")
-    return raw, json.loads(pre.read_text()), tensors
+    return raw, read_image_processor_config(path), tensors
+
+
+def read_image_processor_config(path: Path) -> dict:
+    """The image processor settings, found as transformers finds them: the "image_processor" object of
+    processor_config.json (how transformers 5 saves a processor) first, else preprocessor_config.json."""
+    nested = path / "processor_config.json"
+    if nested.exists():
+        processor = json.loads(nested.read_text())
+        if isinstance(processor, dict) and isinstance(processor.get("image_processor"), dict):
+            return processor["image_processor"]
+    legacy = path / "preprocessor_config.json"
+    if not legacy.exists():
+        raise ModelFormatError(f"{path}: vision checkpoint without image processor settings (preprocessor_config.json,"
+                               " or processor_config.json holding \"image_processor\")")
+    return json.loads(legacy.read_text())
 
 
 def load_gguf(path, mmproj=None, dtype="bfloat16", *, max_context=None, progress=True,
               cache_dir=None) -> Qwen35Backend:
+    from luxjax.checkpoint.gguf_reader import read_gguf_metadata, split_parts
     from luxjax.text.tokenizer import Tokenizer
 
     started = time.perf_counter()
     tokenizer = Tokenizer.from_gguf(path)
-    files = [path] + ([mmproj] if mmproj is not None else [])
+    files = split_parts(path, read_gguf_metadata(path)) + ([mmproj] if mmproj is not None else [])
     return _load(files, dtype, tokenizer, lambda: _read_gguf(path, mmproj, tokenizer, progress), origin=str(path),
                  started=started, max_context=max_context, cache_dir=cache_dir)
 

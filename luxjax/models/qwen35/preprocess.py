@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 
 from luxjax.errors import ModelFormatError
+from luxjax.vision.decode import to_rgb
 from luxjax.vision.hashing import image_hash
 from luxjax.vision.patch_codes import PatchCodes
 from luxjax.vision.types import ImageInputs
@@ -108,6 +109,7 @@ class Qwen35ImageProcessor:
 
     def __call__(self, images: Sequence[Image.Image]) -> ImageInputs:
         """pixel_values come as PatchCodes: the resized pixels' codes and the rescale + normalize table."""
+        images = [to_rgb(image) for image in images]  # as transformers' do_convert_rgb; decoded images are RGB already
         codes, grids, tokens = [], [], []
         for image in images:
             pixels = self._resized_pixels(image)
@@ -124,8 +126,6 @@ class Qwen35ImageProcessor:
         )
 
     def _resized_pixels(self, image: Image.Image) -> np.ndarray:
-        if image.mode != "RGB":
-            raise ValueError(f"expected an RGB image (see luxjax.vision.decode), got mode {image.mode}")
         size = self.resized_size(image.width, image.height)
         if size != image.size:
             image = image.resize(size, resample=PIL_BICUBIC)

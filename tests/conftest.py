@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import gc
+import os
+import secrets
 
 import jax
 import pytest
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test (LUXJAX_TEST_SEED=<n> replays one); tests put it in their failure messages."""
+    value = int(os.environ["LUXJAX_TEST_SEED"]) if os.environ.get("LUXJAX_TEST_SEED") else secrets.randbelow(2**31)
+    print(f"seed={value} (replay with LUXJAX_TEST_SEED={value})")
+    return value
 
 
 @pytest.fixture(autouse=True, scope="module")

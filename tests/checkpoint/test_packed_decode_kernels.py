@@ -7,8 +7,6 @@ launch) against the XLA path."""
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 from pathlib import Path
 
 import gguf
@@ -30,11 +28,6 @@ STEPS = 4
 # amplifies every path's differences: the float reduce's too, 1.5x its others). A level of x dropped (two for
 # float32 x) measured 4.9e-4 to 2.0e-3, 10-40x this bound; a value misplaced moves them by orders of magnitude more
 DECODE_RTOL = 5e-5
-
-
-@pytest.fixture
-def seed() -> int:
-    return int(os.environ["LUXJAX_TEST_SEED"]) if os.environ.get("LUXJAX_TEST_SEED") else secrets.randbelow(2**31)
 
 
 def decode_logits(model: luxjax.Model, ids: list[int], follow: list[int], *, pallas_decode: bool, monkeypatch):
@@ -108,8 +101,15 @@ SEQUENCES = (12, 24)
 # 27, seeds 3-7, 55 and two random): 6.5e-3 to 1.13e-2 for both files; with session 28's skinny tiles (K split
 # further) 6.2e-3 to 1.36e-2 at 12 and 24 sequences (seeds 3-7, 55 and four random). Mutations of the two parts' sum
 # (IQ4_XS, seed 7): the low part dropped 3.2e-2, the low parts' rows crossed between sequences 0.14, the high part
-# twice or its rows crossed 1.4; at 24 sequences the kernel path's low part of q and k dropped 2.3e-2
-BATCH_BF16_RTOL = 2e-2
+# twice or its rows crossed 1.4; at 24 sequences the kernel path's low part of q and k dropped 2.3e-2.
+# The largest difference alone proved a poor judge: seed 838803248 (Q4_K_M, 24 sequences, session 35) parts by 2.2e-2
+# in one of 48 rows, both paths there 6.2 (28%) from the float32 XLA logits, while the kernel path's low part dropped
+# everywhere gave 2.0e-2 at seed 3. The RMS difference over all logits, of the logits' RMS, separates them (session
+# 35): 5.5e-3 to 7.3e-3 unmutated (seeds 3, 5, 7, 55, 838803248, both files, 12 and 24 sequences), 1.5e-2 to 2.4e-2
+# with the low part dropped (seeds 3 and 838803248 at 12 and 24); the largest difference keeps a looser bound for
+# a fault in a few rows.
+BATCH_BF16_RMS_RTOL = 1.1e-2
+BATCH_BF16_RTOL = 5e-2
 
 
 @pytest.mark.parametrize("sequences", SEQUENCES)
@@ -161,5 +161,8 @@ def test_packed_decode_of_several_sequences_in_bfloat16_matches_xla(quant, seque
         tileable = [w.shape for w in decoded if quant_matmul.stacked_supported((sequences, w.shape[1]), w)]
         assert sequences in launches and not tileable, f"launches of {launches} rows; decoded, tileable: {tileable}"
     diff, scale = np.abs(got - want).max(), np.abs(want).max()
-    print(f"{quant} seed {seed}: {sequences} sequences, bf16 decode vs XLA, max |logit diff| {diff:.2e} of {scale:.1f}")
-    assert diff <= BATCH_BF16_RTOL * scale, f"{quant} seed {seed}: decode logits differ by {diff:.2e} of {scale:.1f}"
+    rms = float(np.sqrt(np.mean(np.square(got - want, dtype=np.float64)) / np.mean(np.square(want, dtype=np.float64))))
+    where = f"{quant} seed {seed}: {sequences} sequences, bf16 decode vs XLA"
+    print(f"{where}: max |logit diff| {diff:.2e} of {scale:.1f}, RMS difference {rms:.2e} of the logits' RMS")
+    assert rms <= BATCH_BF16_RMS_RTOL, f"{where}: RMS difference {rms:.2e} of the logits' RMS"
+    assert diff <= BATCH_BF16_RTOL * scale, f"{where}: logits differ by {diff:.2e} of {scale:.1f}"

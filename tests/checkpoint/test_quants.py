@@ -31,11 +31,6 @@ F16_OFFSETS = {
 dequantize_jit = jax.jit(dequantize, static_argnums=1)
 
 
-@pytest.fixture
-def seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
-
-
 def oracle(raw: np.ndarray, ggml_type: T, shape) -> np.ndarray:
     with np.errstate(all="ignore"):  # NaN/Inf scales in adversarial blocks
         return gguf.quants.dequantize(raw, ggml_type).reshape(shape)

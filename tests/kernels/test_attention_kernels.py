@@ -151,21 +151,23 @@ def test_prefill_attention(seed, interpret, dtype, hq, hkv, d):
     assert err < TOL[dtype], f"prefill {hq=} {hkv=} {d=} {dtype.__name__}: rel err {err:.2e}, seed {seed}"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 @pytest.mark.parametrize("d", [128, 256])
-def test_prefill_attention_default_tiles(monkeypatch, platform, d, seed, interpret):
-    """The default tiles of each platform (ROCm's smaller, for gfx942's 64 KiB of LDS) at the head dims that take
+def test_prefill_attention_default_tiles(monkeypatch, platform, d, dtype, seed, interpret):
+    """The default tiles of each platform (ROCm's smaller, for gfx942's 64 KiB of LDS) and input width (float32's
+    smaller: on a GPU, tiles that do not fit its shared memory fail to compile) at the head dims that take
     different ones, against the reference: rows past one tile and a cached prefix."""
     monkeypatch.setattr(backend, "gpu_platform", lambda: platform)
     rng = np.random.default_rng(seed)
-    B, S, T, hq, hkv = 1, 200, 47, 6, 2  # 141 query rows: two 128-row tiles, three of 64
-    q = _normal(rng, (B, T, hq, d), jnp.float32)
-    k, v = _normal(rng, (B, S, hkv, d), jnp.float32), _normal(rng, (B, S, hkv, d), jnp.float32)
+    B, S, T, hq, hkv = 1, 200, 47, 6, 2  # 141 query rows: two 128-row tiles, three of 64, five of 32
+    q = _normal(rng, (B, T, hq, d), dtype)
+    k, v = _normal(rng, (B, S, hkv, d), dtype), _normal(rng, (B, S, hkv, d), dtype)
     start = jnp.asarray([rng.integers(1, S - T)], jnp.int32)
-    tiles = pa.BlockSizes.get_default(d)  # passed on: the jitted kernel's cache does not know the platform
+    tiles = pa.BlockSizes.get_default(d, dtype)  # passed on: the jitted kernel's cache does not know the platform
     out = pa.prefill_attention(q, k, v, start, scale=d**-0.5, block_sizes=tiles, interpret=interpret)
     err = rel_err(out, pa.prefill_attention_reference(q, k, v, start, scale=d**-0.5))
-    assert err < TOL[jnp.float32], f"{platform} {tiles} {d=}: rel err {err:.2e}, seed {seed}"
+    assert err < TOL[dtype], f"{platform} {tiles} {d=} {dtype.__name__}: rel err {err:.2e}, seed {seed}"
 
 
 def test_prefill_rows_past_cache_end(seed, interpret):

@@ -1,9 +1,6 @@
 """Fixtures for the tokenizer/chat-template tests: transformers' tokenizer as the oracle, ours from HF and GGUF."""
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 from text_samples import GGUF_PATH, HF_DIR
 
@@ -43,11 +40,3 @@ def gguf_tokenizer(gguf_metadata):
 def ours(request):
     """Each test taking `ours` runs for both loaders."""
     return request.getfixturevalue(f"{request.param}_tokenizer")
-
-
-@pytest.fixture
-def seed():
-    """A fresh seed per test run (LUXJAX_TEST_SEED replays one); tests put it in their failure messages."""
-    value = int(os.environ.get("LUXJAX_TEST_SEED") or random.SystemRandom().randrange(2**32))
-    print(f"seed={value} (replay with LUXJAX_TEST_SEED={value})")
-    return value

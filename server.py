@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--solo-prefill-chunk", type=int, help="prompt tokens per prefill step while none decodes")
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("-a", "--alias", dest="model_alias", help="model id reported by /v1/models")
+    p.add_argument("--cors-origins", help='browser origins allowed to call the API, comma-separated, or "*"')
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--config", help="TOML file of settings (keys are the flag names)")
     return p.parse_args(argv)

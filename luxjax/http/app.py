@@ -9,6 +9,7 @@ import uuid
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -22,7 +23,7 @@ from luxjax.http.errors import (ApiKeyMiddleware, error_response, http_exception
 from luxjax.http.metrics import Metrics
 from luxjax.http.responses import JSONBody, ResponseFormat, TokenTexts
 from luxjax.http.schemas import parse_chat_request, parse_completion_request, parse_template_kwargs
-from luxjax.http.settings import Settings
+from luxjax.http.settings import Settings, cors_origins
 from luxjax.http.streaming import EventStreamResponse, stream_chunks
 from luxjax.vision.data_url import redact
 
@@ -207,7 +208,12 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         Route("/tokenize", service.tokenize, methods=["POST"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),
     ]
-    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
+    middleware = []
+    if cors_origins(settings):  # outermost: a browser's preflight (OPTIONS, no credentials) is answered here
+        middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins(settings),
+                                     allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+    if settings.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         RequestError: request_error_handler, HTTPException: http_exception_handler,
         Exception: unexpected_error_handler})

@@ -26,6 +26,7 @@ class Settings:
     solo_prefill_chunk: int = 2048  # ... while no stream is decoding: most prompts in one step (first token sooner)
     max_body_bytes: int = 48 * MiB
     model_alias: str | None = None  # the id /v1/models reports; default: the model file or folder name
+    cors_origins: str | None = None  # browser origins allowed to call the API, comma-separated, or "*"; None: none
     log_level: str = "info"
 
     @property
@@ -33,6 +34,10 @@ class Settings:
         if self.model_alias:
             return self.model_alias
         return Path(self.model).name if self.model else "luxjax-default"
+
+
+def cors_origins(settings: Settings) -> list[str]:
+    return [origin.strip() for origin in (settings.cors_origins or "").split(",") if origin.strip()]
 
 
 def engine_options(settings: Settings) -> dict[str, int]:

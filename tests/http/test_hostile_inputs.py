@@ -105,3 +105,37 @@ def test_models_retrieve(client, http):
     assert http.get(f"/v1/models/{listed['id']}").json() == listed
     missing = http.get("/v1/models/not-this-one")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_only_for_the_origins_given(model):
+    """--cors-origins: a browser page of a listed origin may call the API (its preflight answered without the API
+    key, the answers carrying Access-Control-Allow-Origin); other origins, and every origin without the setting,
+    get no CORS grant."""
+    import httpx
+
+    from http_helpers import serve
+
+    page, other = "https://app.example", "https://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    body = chat_body("hi", max_tokens=1)
+    for origins in ("https://app.example, http://localhost:3000", None):
+        engine, thread = serve(model, max_concurrency=1, max_ctx=256, api_key="k", cors_origins=origins)
+        try:
+            with thread, httpx.Client(base_url=thread.url, timeout=120) as c:
+                granted = c.options(CHAT, headers={"Origin": page, **preflight})
+                refused = c.options(CHAT, headers={"Origin": other, **preflight})
+                answer = c.post(CHAT, json=body, headers={"Origin": page, "Authorization": "Bearer k"})
+                assert answer.status_code == 200, answer.text
+                assert "access-control-allow-origin" not in refused.headers
+                if origins is None:
+                    assert granted.status_code == 401 and "access-control-allow-origin" not in granted.headers
+                    assert "access-control-allow-origin" not in answer.headers
+                else:
+                    assert granted.status_code == 200, granted.text
+                    assert granted.headers["access-control-allow-origin"] == page
+                    assert "POST" in granted.headers["access-control-allow-methods"]
+                    assert answer.headers["access-control-allow-origin"] == page
+                    keyless = c.post(CHAT, json=body, headers={"Origin": page})
+                    assert keyless.status_code == 401 and keyless.headers["access-control-allow-origin"] == page
+        finally:
+            engine.stop()

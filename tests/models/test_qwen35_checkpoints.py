@@ -102,6 +102,19 @@ def test_vl_config_without_vision_weights_is_text_only(checkpoint, tmp_path):
     assert_refuses_images(model, random_image(np.random.default_rng(seed), 80, 120), "VL config without visual weights")
 
 
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_quantized_hf_checkpoint_is_refused_by_its_method(tmp_path, where):
+    config = json.loads((FIXTURE / "hf" / "config.json").read_text())
+    quantization = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    if where == "top":
+        config["quantization_config"] = quantization
+    else:
+        config["text_config"]["quantization_config"] = quantization
+    _link_checkpoint(FIXTURE / "hf", tmp_path / "awq", config)
+    with pytest.raises(ModelFormatError, match="'awq'-quantized"):
+        luxjax.load(tmp_path / "awq", dtype="float32", progress=False)
+
+
 @pytest.mark.parametrize("source", ["fixture", "random"])
 def test_deepstack_vision_tower_is_refused(checkpoint, tmp_path, source):
     directory = FIXTURE / "hf" if source == "fixture" else checkpoint("ratio3-tied")[0]

@@ -18,6 +18,12 @@ def read_hf_config(path: Path) -> dict:
     archs = cfg.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and cfg.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
         raise ModelFormatError(f"{path}: architectures {archs} / model_type {cfg.get('model_type')!r} is not Qwen3.5")
+    quantization = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ModelFormatError(f"{path}: a {method!r}-quantized Hugging Face checkpoint (config.json "
+                               "quantization_config); luxjax reads bf16/f16/f32 safetensors, or GGUF files for packed "
+                               "weights")
     return cfg
 
 

@@ -208,9 +208,9 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
         Route("/tokenize", service.tokenize, methods=["POST"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),
     ]
-    middleware = []
-    if cors_origins(settings):  # outermost: a browser's preflight (OPTIONS, no credentials) is answered here
-        middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins(settings),
+    middleware, origins = [], cors_origins(settings)
+    if origins:  # outermost: a browser's preflight (OPTIONS, no credentials) is answered here
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins,
                                      allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
     if settings.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))

@@ -65,12 +65,15 @@ def read_image_processor_config(path: Path) -> dict:
 
 def load_gguf(path, mmproj=None, dtype="bfloat16", *, max_context=None, progress=True,
               cache_dir=None) -> Qwen35Backend:
-    from luxjax.checkpoint.gguf_reader import read_gguf_metadata, split_parts
+    from gguf import GGUFReader
+
+    from luxjax.checkpoint.gguf_reader import metadata_of, split_parts
     from luxjax.text.tokenizer import Tokenizer
 
     started = time.perf_counter()
-    tokenizer = Tokenizer.from_gguf(path)
-    files = split_parts(path, read_gguf_metadata(path)) + ([mmproj] if mmproj is not None else [])
+    reader = GGUFReader(path)  # one parse of the header for the tokenizer and the list of split parts
+    tokenizer = Tokenizer.from_gguf(reader)
+    files = split_parts(path, metadata_of(reader)) + ([mmproj] if mmproj is not None else [])
     return _load(files, dtype, tokenizer, lambda: _read_gguf(path, mmproj, tokenizer, progress), origin=str(path),
                  started=started, max_context=max_context, cache_dir=cache_dir)
 

@@ -4,6 +4,7 @@
     python benchmarks/bench_decode_gemv.py [--sweep] [--seconds 400] [--json out.json]
     python benchmarks/bench_decode_gemv.py --rows-sweep --formats IQ4_XS,Q4_K,Q6_K   (the packed regimes by rows)
     python benchmarks/bench_decode_gemv.py --split-sweep   (the int8 GEMV's tiles for its 5,120-output products)
+    python benchmarks/bench_decode_gemv.py --parts-sweep   (the int8 GEMV's row tiles loaded in parts)
 
 GB/s = weight bytes / the product kernel's time per layer (x and y are negligible), as a profiler trace of one
 jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2 records it (median launch); on a CPU,
@@ -490,6 +491,42 @@ def ahead_sweep(deadline: float, key) -> list[dict]:
     return rows
 
 
+# A row tile's rows loaded as `parts` tensors (BlockSizes.parts: a thread holds words of several rows at the same
+# K positions and loads their x words once), against the default tiles, on the 27B decode step's launches:
+# (format, out, in, rows, x dtype) as AHEAD_CASES.
+PARTS_CASES = [("IQ4_XS", 34816, 5120, 1, jnp.bfloat16), ("IQ4_XS", 16384, 5120, 1, jnp.float32),
+               ("IQ4_XS", 14336, 5120, 1, jnp.bfloat16), ("IQ4_XS", 5120, 17408, 1, jnp.bfloat16),
+               ("IQ4_XS", 5120, 6144, 1, jnp.float32), ("IQ4_XS", 5120, 6144, 1, jnp.bfloat16),
+               ("IQ4_XS", 34816, 5120, 4, jnp.bfloat16), ("IQ4_XS", 5120, 17408, 4, jnp.bfloat16),
+               ("Q4_K", 34816, 5120, 1, jnp.bfloat16), ("Q4_K", 5120, 17408, 1, jnp.bfloat16),
+               ("Q6_K", 5120, 17408, 1, jnp.bfloat16)]
+
+
+def parts_variants(default):
+    """The default tiles, in 2 and 4 parts, and 32-row tiles in 2 parts at 8 and 16 warps."""
+    return [default, dataclasses.replace(default, parts=2), dataclasses.replace(default, parts=4),
+            dataclasses.replace(default, block_n=32, parts=2),
+            dataclasses.replace(default, block_n=32, parts=2, num_warps=16)]
+
+
+def parts_sweep(deadline: float, key) -> list[dict]:
+    """Each PARTS_CASE with each of parts_variants (its default first): the GEMV kernel's median launch from a
+    trace of the layer scan."""
+    rows = []
+    for fmt, out, k, m, dtype in PARTS_CASES:
+        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
+        x = jax.random.normal(key, (m, k), dtype)
+        default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
+        for bs in parts_variants(default):
+            if time.time() > deadline or out % bs.block_n:
+                continue
+            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, parts=bs.parts)
+            if row is not None:
+                rows.append(row)
+        del stacked
+    return rows
+
+
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
     """The products of one input as separate launches (each quantizing x) and as one int8_quant_matmul_many launch,
     in a scan over stacked layers: all GPU kernels per layer (quantization and the chain's small ops included) and
@@ -566,6 +603,8 @@ def main():
                     help="only the int8 GEMV's 5,120-output products at fewer rows per program and K splits")
     ap.add_argument("--ahead-sweep", action="store_true",
                     help="only the int8 GEMV's default tiles with each choice of planes loaded a K step ahead")
+    ap.add_argument("--parts-sweep", action="store_true",
+                    help="only the int8 GEMV's default tiles against a row tile loaded in parts (BlockSizes.parts)")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the fused kernel's tensor-core regime (16 rows) at other tiles than its default")
     ap.add_argument("--skinny-check", action="store_true",
@@ -593,11 +632,12 @@ def main():
                     [*product, ("block sizes", lambda r: r["block_sizes"] + (" (default)" if r["default"] else "")),
                      ("GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return
-    if args.ahead_sweep:
-        rows = ahead_sweep(start + args.seconds, key)
+    if args.parts_sweep or args.ahead_sweep:
+        rows = (parts_sweep if args.parts_sweep else ahead_sweep)(start + args.seconds, key)
         write_rows(args.json, rows)
-        print_table(rows, [*product, ("loaded ahead (prefetch)", lambda r: r["ahead"]),
-                           ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
+        variant = (("block sizes", lambda r: r["block_sizes"]) if args.parts_sweep
+                   else ("loaded ahead (prefetch)", lambda r: r["ahead"]))
+        print_table(rows, [*product, variant, ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
                            ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return
     if args.split_sweep:

@@ -118,15 +118,16 @@ def main():
     ap.add_argument("--in", dest="k", type=int, default=5120)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--tiles", default="16,4,8", help="block_n, blocks_k, warps")
+    ap.add_argument("--tiles", default="16,4,8", help="block_n, blocks_k, warps[, parts]")
     ap.add_argument("--prefetch", nargs="?", const="all", choices=["all", "small"],
                     help="load the next K step's planes ahead in registers (all, or the small planes only)")
     ap.add_argument("--format", default="IQ4_XS", choices=[t.name for t in qi.FORMATS])
     ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
     ap.add_argument("--keep", help="also write the Triton IR here")
     args = ap.parse_args()
-    block_n, blocks_k, warps = (int(v) for v in args.tiles.split(","))
-    bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch={"all": True, "small": "small", None: False}[args.prefetch])
+    block_n, blocks_k, warps, parts = (*(int(v) for v in args.tiles.split(",")), 1)[:4]
+    bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch={"all": True, "small": "small", None: False}[args.prefetch],
+                       parts=parts)
     ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
     with tempfile.TemporaryDirectory() as d:
         path = Path(args.keep) if args.keep else Path(d) / "kernel.ttir"

@@ -28,8 +28,10 @@ launch with x quantized once: in a 27B decode step on an H200 that took batch-1 
 current one's, and some products only its small planes, the scales (BlockSizes.prefetch; SMALL_AHEAD). Triton's
 own software pipelining of the loop (cp.async copies of the next steps into shared memory, asked for by the
 `tt.num_stages` attribute on the loop, which Pallas does not set: tried through a lowering rule) measured 1.05-1.9x
-slower on every 27B decode product (session 26). Used where dot4 and byte_perm are single instructions (CUDA);
-elsewhere quant_matmul's float reduce stays (see uses_int8).
+slower on every 27B decode product (session 26). A row tile may load in parts (BlockSizes.parts), so that a thread
+multiplies words of several rows by one load of x's words: fewer registers where x has three levels (TWO_PARTS).
+Used where dot4 and byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce stays (see
+uses_int8).
 """
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ class BlockSizes:
     # few bytes a block, Int8Format.small_planes)
     prefetch: bool | str | None = None
     tiles: int = 1  # row tiles per program, streamed one after another in one loop
+    # a row tile's planes loaded as this many tensors of block_n / parts rows each, decoded alike, every one
+    # multiplied by one load of x: Triton lays each out alike, so a thread holds words of `parts` rows at the same
+    # K positions and loads their x words once (in one tensor of block_n rows, a thread's words lie along K, one
+    # row, and its x words are as many as its weights / 2 at two levels)
+    parts: int = 1
 
     @classmethod
     def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int, levels: int = 2) -> BlockSizes:
@@ -104,7 +111,9 @@ class BlockSizes:
         one_wave = not (tiles < ONE_WAVE_TILES and blocks % (few.blocks_k * (few.splits or 1)) == 0)
         chosen = cls(16, 4, 8, prefetch=prefetch) if one_wave else few
         if levels == 2 and (ggml_type, one_wave, rows > 2) in SMALL_AHEAD:
-            return dataclasses.replace(chosen, prefetch="small")
+            chosen = dataclasses.replace(chosen, prefetch="small")
+        if (ggml_type, one_wave, rows, levels) in TWO_PARTS:
+            chosen = dataclasses.replace(chosen, parts=2)
         return chosen
 
     def prefetches(self, steps: int) -> bool | str:
@@ -138,6 +147,16 @@ FEW_TILES = {
 # -> 27.1; Q6_K 5120 x 17408 at 1 row 37.1 -> 32.4. Elsewhere equal or slower (IQ4_XS at 1 row 38.4 -> 46.8, its
 # 5,120-output products at 4 rows 40.6 -> 50.6; Q5_K; Q6_K 34816 x 5120 at 4 rows 142.5 -> 181.2).
 SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, False), (T.Q6_K, False, False)}
+
+
+# Where a row tile loads in two parts by default (BlockSizes.parts): (format, whether the product fills a wave of
+# programs, rows of x, levels of x). `bench_decode_gemv.py --parts-sweep` on an H100 (session 36), GPU us a layer,
+# one part -> two: IQ4_XS 16384 x 5120 at one float32 row (the DeltaNet's four projections; three levels of x, so
+# a thread's x words 48 -> 24) 23.9 -> 22.1. Not taken where the gain was within a single run's spread (IQ4_XS at
+# 4 rows: 34816 x 5120 81.1 -> 78.8, 5120 x 17408 42.1 -> 41.0; Q6_K 5120 x 17408 at one row 34.2 -> 33.0), and
+# slower at one bf16 row (IQ4_XS gate + up 40.3 -> 44.7, Q4_K 45.3 -> 52.2, Q4_K 5120 x 17408 26.9 -> 48.7): there a
+# thread's words of one row lie side by side along K, which two parts give up.
+TWO_PARTS = {(T.IQ4_XS, True, 1, 3)}
 
 
 def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:
@@ -350,7 +369,7 @@ def _load_step(planes, sl, fmt: Int8Format) -> dict:
     return loaded
 
 
-def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels, prefetch, interpret):
+def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, parts, kb, steps, levels, prefetch, interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
     of tiles * BN rows), K steps split * steps ... of it; weight i's o [1, BM, tiles * BN] is that block's output."""
     # [layer], constants, per weight its planes (fmt.planes' order) whole, x words [BM, L, blocks, *fmt.x_words],
@@ -364,21 +383,22 @@ def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, kb, steps, levels,
     magic = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret)
     block, split = pl.program_id(1), pl.program_id(2)
     stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref,
-                               magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, kb=kb,
-                               steps=steps, levels=levels, prefetch=prefetch)
+                               magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, parts=parts,
+                               kb=kb, steps=steps, levels=levels, prefetch=prefetch)
     count = len(fmt.planes)
     per_weight_tile(block, tile_counts, lambda i, local: stream(
         refs[count * i: count * (i + 1)], local * tiles * block_n, o_ref=o_refs[i]))
 
 
 def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, split,
-                 block_n, tiles, kb, steps, levels, prefetch):
+                 block_n, tiles, parts, kb, steps, levels, prefetch):
     """o = x @ W[first_row : first_row + tiles * BN].T over this split's K steps, one weight's planes: the row
-    tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps)."""
-    rows = o_ref.shape[1]
+    tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps); each tile's
+    rows in `parts` parts of BN / parts rows (BlockSizes.parts)."""
+    rows, part_n = o_ref.shape[1], block_n // parts
 
-    def tile_planes(t):
-        out_rows = pl.ds(pl.multiple_of(first_row + t * block_n, block_n), block_n)
+    def tile_planes(t, part):
+        out_rows = pl.ds(pl.multiple_of(first_row + t * block_n + part * part_n, part_n), part_n)
         prefix = (out_rows,) if layer is None else (layer, out_rows)
         return {name: RowView(ref, prefix, WEIGHT_EVICTION) for name, ref in zip(fmt.planes, plane_refs)}
 
@@ -386,43 +406,60 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
         return pl.ds(pl.multiple_of((split * steps + s) * kb, kb), kb)
 
     def load(i, names):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
-        planes = {name: view for name, view in tile_planes(lax.div(i, steps)).items() if name in names}
-        return _load_step(planes, k_slice(lax.rem(i, steps)), fmt)
-
-    def level_sums(group, r, sl):
-        """The group's integer dot products with row r's levels, as floats [BN, KB, *acc]: sum_l part_l / 128^l."""
-        total = None
-        for level in range(levels):
-            isum = None
-            for words, index in group.terms:
-                isum = dot4.dot4(words, xq_ref[(r, level, sl, *index)][None],
-                                 jnp.zeros(words.shape, jnp.int32) if isum is None else isum)
-            isum = jnp.sum(isum, axis=-1)
-            if group.code_bias:
-                isum = isum - group.code_bias * xs_ref[(r, level, sl, *group.x_levels)][None]
-            part = _s2f(isum)  # exact
-            total = part if total is None else fma(part, LEVEL_STEP**-level, total)
-        return total
+        tile, sl = lax.div(i, steps), k_slice(lax.rem(i, steps))
+        return tuple(_load_step({name: view for name, view in tile_planes(tile, part).items() if name in names}, sl,
+                                fmt) for part in range(parts))
 
     def accumulate(loaded, s, accs):
+        """accs[part][r] += the step's sums of the part's rows times x row r; x's words and scales loaded once
+        for all parts."""
         sl = k_slice(s)
-        groups = fmt.groups(loaded, magic)
+        x_loads = {}
+
+        def x_at(ref, head, tail):
+            """ref[(*head, sl, *tail)] with a leading unit axis, loaded once a step."""
+            key = (id(ref), head, repr(tail))
+            if key not in x_loads:
+                x_loads[key] = ref[(*head, sl, *tail)][None]
+            return x_loads[key]
+
+        def level_sums(group, r):
+            """The group's integer dot products with row r's levels, as floats [BN', KB, *acc]: sum_l part_l /
+            128^l."""
+            total = None
+            for level in range(levels):
+                isum = None
+                for words, index in group.terms:
+                    isum = dot4.dot4(words, x_at(xq_ref, (r, level), index),
+                                     jnp.zeros(words.shape, jnp.int32) if isum is None else isum)
+                isum = jnp.sum(isum, axis=-1)
+                if group.code_bias:
+                    isum = isum - group.code_bias * x_at(xs_ref, (r, level), group.x_levels)
+                part = _s2f(isum)  # exact
+                total = part if total is None else fma(part, LEVEL_STEP**-level, total)
+            return total
+
         new = []
-        for r, acc in enumerate(accs):
-            for group in groups:
-                acc = fma(level_sums(group, r, sl), group.scale * xd_ref[(r, sl, *group.x_scale)][None], acc)
-                if group.offset is not None:
-                    x_sum = functools.reduce(jnp.add, [xs_ref[(r, sl, *index)] for index in group.x_sums])
-                    acc = fma(group.offset, x_sum[None], acc)
-            new.append(acc)
+        for part_loaded, part_accs in zip(loaded, accs):
+            groups = fmt.groups(part_loaded, magic)
+            part_new = []
+            for r, acc in enumerate(part_accs):
+                for group in groups:
+                    acc = fma(level_sums(group, r), group.scale * x_at(xd_ref, (r,), group.x_scale), acc)
+                    if group.offset is not None:
+                        x_sum = functools.reduce(jnp.add, [x_at(xs_ref, (r,), index) for index in group.x_sums])
+                        acc = fma(group.offset, x_sum, acc)
+                part_new.append(acc)
+            new.append(tuple(part_new))
         return tuple(new)
 
     def store(t, accs):
-        for r, acc in enumerate(accs):
-            row = acc.sum(axis=tuple(range(1, acc.ndim)))
-            o_ref[0, pl.ds(r, 1), pl.ds(t * block_n, block_n)] = row[None, :].astype(o_ref.dtype)
+        for part, part_accs in enumerate(accs):
+            for r, acc in enumerate(part_accs):
+                row = acc.sum(axis=tuple(range(1, acc.ndim)))
+                o_ref[0, pl.ds(r, 1), pl.ds(t * block_n + part * part_n, part_n)] = row[None, :].astype(o_ref.dtype)
 
-    zeros = (jnp.zeros((block_n, kb, *fmt.acc), jnp.float32),) * rows
+    zeros = ((jnp.zeros((part_n, kb, *fmt.acc), jnp.float32),) * rows,) * parts
     total = tiles * steps
 
     ahead = tuple(fmt.planes) if prefetch is True else fmt.small_planes if prefetch == "small" else ()
@@ -431,7 +468,8 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     def step(i, carry):
         loaded, accs = carry  # loaded: the planes in `ahead`, this step's, loaded by the step before
         upcoming = load(jnp.minimum(i + 1, total - 1), ahead)  # in flight while this step is decoded
-        accs = accumulate({**loaded, **load(i, now)}, lax.rem(i, steps), accs)
+        current = tuple({**ahead_part, **now_part} for ahead_part, now_part in zip(loaded, load(i, now)))
+        accs = accumulate(current, lax.rem(i, steps), accs)
         if tiles > 1:
             last = lax.rem(i, steps) == steps - 1
 
@@ -439,7 +477,7 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
             def _():
                 store(lax.div(i, steps), accs)
 
-            accs = tuple(jnp.where(last, 0.0, a) for a in accs)
+            accs = jax.tree.map(lambda a: jnp.where(last, 0.0, a), accs)
         return upcoming, accs
 
     _, accs = lax.fori_loop(0, total, step, (load(0, ahead), zeros))
@@ -516,6 +554,8 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     levels = levels or levels_for(x.dtype)
     bs = block_sizes or BlockSizes.get_default(m, sum(ns), ws[0].ggml_type, blocks, levels)
     kb = blocks_per_step(blocks, bs.blocks_k)
+    if bs.block_n % bs.parts:
+        raise ValueError(f"a row tile of {bs.block_n} rows does not split into {bs.parts} parts")
     program_rows = _program_rows(bs)
     if layer is None:  # rows padded to whole tiles (a stacked weight cannot be: it would be copied)
         planes = [[_pad_to(w.planes[name].reshape(n, blocks, *view), 0, program_rows)
@@ -535,8 +575,8 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     out_dtype = out_dtype or x.dtype
     steps = blocks // (kb * splits)
     kernel = functools.partial(_kernel, fmt=fmt, tile_counts=tile_counts, stacked=layer is not None,
-                               block_n=bs.block_n, tiles=bs.tiles, kb=kb, steps=steps, levels=levels,
-                               prefetch=bs.prefetches(steps), interpret=interpret)
+                               block_n=bs.block_n, tiles=bs.tiles, parts=bs.parts, kb=kb, steps=steps,
+                               levels=levels, prefetch=bs.prefetches(steps), interpret=interpret)
     x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in x_parts]
     flat_planes = [p for weight_planes in planes for p in weight_planes]
     ys = pl.pallas_call(

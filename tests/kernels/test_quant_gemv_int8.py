@@ -374,9 +374,9 @@ def test_int8_gemv_reads_the_chosen_layer(ggml_type, m, splits, seed, interpret)
 
 
 # (rows of x, x dtype, rows of each weight, block sizes): weights of unequal rows side by side; the streaming options
-# (the next step's planes loaded ahead, all or the small ones, several row tiles per program, K splits) on
-# whole-tile weights (x's 1,024 values are 4 blocks: one block per K step and no K split gives each program 4 steps
-# a row tile)
+# (the next step's planes loaded ahead, all or the small ones, several row tiles per program, K splits, a row
+# tile's rows in parts) on whole-tile weights (x's 1,024 values are 4 blocks: one block per K step and no K split
+# gives each program 4 steps a row tile)
 MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), None),
               (2, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1)),
               (1, jnp.bfloat16, (64, 32), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1, tiles=2)),
@@ -384,7 +384,10 @@ MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), 
               (1, jnp.bfloat16, (16, 48), qi.BlockSizes(16, 2, 4, prefetch=True, splits=2)),
               (1, jnp.bfloat16, (32, 48), qi.BlockSizes(16, 1, 8, prefetch="small", splits=1)),
               (4, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch="small", splits=2, tiles=2)),
-              (2, jnp.bfloat16, (48, 16), qi.BlockSizes(16, 2, 8, prefetch="small", splits=1))]
+              (2, jnp.bfloat16, (48, 16), qi.BlockSizes(16, 2, 8, prefetch="small", splits=1)),
+              (2, jnp.bfloat16, (32, 16), qi.BlockSizes(16, 1, 4, parts=2)),
+              (1, jnp.float32, (48, 16), qi.BlockSizes(16, 2, 8, prefetch=True, splits=1, parts=2)),
+              (3, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch="small", splits=2, tiles=2, parts=4))]
 
 
 @by_name
@@ -477,6 +480,8 @@ def test_int8_gemv_refuses_what_it_cannot_take():
     assert qi.supported((4, 256), w, stacked=False) and not qi.supported((5, 256), w, stacked=False)
     with pytest.raises(ValueError, match="x"):
         qi.int8_quant_matmul(jnp.zeros((5, 256)), w, interpret=True)
+    with pytest.raises(ValueError, match="parts"):
+        qi.int8_quant_matmul(jnp.zeros((1, 256)), w, block_sizes=qi.BlockSizes(16, 1, 4, parts=3), interpret=True)
     for other in (T.Q8_0, T.Q4_0):  # Q8_0: its float reduce measured as fast
         raw = np.zeros((16, 256 // 32 * (34 if other == T.Q8_0 else 18)), np.uint8)
         refused = QuantizedTensor.from_gguf(raw, other, (16, 256))
@@ -505,7 +510,7 @@ def test_default_tiles_below_one_wave(ggml_type):
     """BlockSizes.get_default: products of fewer 16-row tiles than one wave of programs (the 27B's 5,120 outputs)
     take the format's FEW_TILES entry for their rows where its K splits divide the blocks, else the general tiles
     (which the K-quants never load ahead); the small planes load ahead exactly where SMALL_AHEAD names the format,
-    regime and rows, and only for x in two levels."""
+    regime and rows, and only for x in two levels; a row tile loads in two parts exactly where TWO_PARTS says."""
     def tiles(bs):
         return bs.block_n, bs.blocks_k, bs.num_warps, bs.splits
 
@@ -523,6 +528,7 @@ def test_default_tiles_below_one_wave(ggml_type):
         assert tiles(wide) == (16, 4, 8, None)
         assert wide.prefetch == expected_prefetch(qi.BlockSizes(16, 4, 8, prefetch=False if k_quant else None),
                                                   True, rows, levels), (rows, levels)
+        assert (wide.parts, got.parts) == (2 if (ggml_type, True, rows, levels) in qi.TWO_PARTS else 1, 1)
     odd = qi.BlockSizes.get_default(1, 5120, ggml_type, 17, 3)  # 17 blocks: no whole K splits
     if few[0].splits:
         assert tiles(odd) == (16, 4, 8, None)

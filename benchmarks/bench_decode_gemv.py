@@ -469,26 +469,33 @@ AHEAD_CASES = [("IQ4_XS", 34816, 5120, 1, jnp.bfloat16), ("IQ4_XS", 34816, 5120,
                ("Q4_K", 5120, 17408, 4, jnp.bfloat16), ("Q6_K", 5120, 17408, 1, jnp.bfloat16),
                ("Q6_K", 5120, 17408, 4, jnp.bfloat16), ("Q6_K", 34816, 5120, 4, jnp.bfloat16),
                ("Q5_K", 5120, 17408, 1, jnp.bfloat16), ("Q5_K", 5120, 17408, 4, jnp.bfloat16)]
-AHEAD_VARIANTS = (None, "small", True, False)
+AHEAD_VARIANTS = ("small", True, False)
 
 
-def ahead_sweep(deadline: float, key) -> list[dict]:
-    """Each AHEAD_CASE at the default tiles with each AHEAD_VARIANT of their prefetch (the default's own choice
-    first): the GEMV kernel's median launch from a trace of the layer scan."""
+def default_variants_sweep(cases, variants, label, deadline: float, key) -> list[dict]:
+    """Each case (format, out, in, rows, x dtype) at each of variants(its default tiles) that covers its rows in
+    whole tiles, once each: the GEMV kernel's median launch from a trace of the layer scan, each row labelled with
+    label(block sizes)."""
     rows = []
-    for fmt, out, k, m, dtype in AHEAD_CASES:
+    for fmt, out, k, m, dtype in cases:
         stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
         x = jax.random.normal(key, (m, k), dtype)
         default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
-        for prefetch in AHEAD_VARIANTS:
-            bs = default if prefetch is None else dataclasses.replace(default, prefetch=prefetch)
-            if time.time() > deadline or (prefetch is not None and prefetch == default.prefetch):
+        for bs in dict.fromkeys(variants(default)):
+            if time.time() > deadline or out % bs.block_n:
                 continue
-            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, ahead=str(bs.prefetch))
+            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, **label(bs))
             if row is not None:
                 rows.append(row)
         del stacked
     return rows
+
+
+def ahead_sweep(deadline: float, key) -> list[dict]:
+    """Each AHEAD_CASE at the default tiles, then with each other AHEAD_VARIANT of their prefetch."""
+    return default_variants_sweep(
+        AHEAD_CASES, lambda d: [d, *(dataclasses.replace(d, prefetch=p) for p in AHEAD_VARIANTS)],
+        lambda bs: {"ahead": str(bs.prefetch)}, deadline, key)
 
 
 # A row tile's rows loaded as `parts` tensors (BlockSizes.parts: a thread holds words of several rows at the same
@@ -510,21 +517,8 @@ def parts_variants(default):
 
 
 def parts_sweep(deadline: float, key) -> list[dict]:
-    """Each PARTS_CASE with each of parts_variants (its default first): the GEMV kernel's median launch from a
-    trace of the layer scan."""
-    rows = []
-    for fmt, out, k, m, dtype in PARTS_CASES:
-        stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
-        x = jax.random.normal(key, (m, k), dtype)
-        default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
-        for bs in parts_variants(default):
-            if time.time() > deadline or out % bs.block_n:
-                continue
-            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, parts=bs.parts)
-            if row is not None:
-                rows.append(row)
-        del stacked
-    return rows
+    """Each PARTS_CASE with each of parts_variants (its default first)."""
+    return default_variants_sweep(PARTS_CASES, parts_variants, lambda bs: {"parts": bs.parts}, deadline, key)
 
 
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:

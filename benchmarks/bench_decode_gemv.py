@@ -510,8 +510,9 @@ PARTS_CASES = [("IQ4_XS", 34816, 5120, 1, jnp.bfloat16), ("IQ4_XS", 16384, 5120,
 
 
 def parts_variants(default):
-    """The default tiles, in 2 and 4 parts, and 32-row tiles in 2 parts at 8 and 16 warps."""
-    return [default, dataclasses.replace(default, parts=2), dataclasses.replace(default, parts=4),
+    """The default tiles, in 1, 2 and 4 parts (the default may already be in two: TWO_PARTS), and 32-row tiles in 2
+    parts at 8 and 16 warps."""
+    return [default, *(dataclasses.replace(default, parts=p) for p in (1, 2, 4)),
             dataclasses.replace(default, block_n=32, parts=2),
             dataclasses.replace(default, block_n=32, parts=2, num_warps=16)]
 

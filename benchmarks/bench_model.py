@@ -54,6 +54,22 @@ def build_torch_model(cfg_dict: dict, dtype: str, device: str):
     return model.eval()
 
 
+def release_torch_cache(device: str) -> int | None:
+    """Hand the memory of transformers' dropped weights back to the device and return the bytes free after.
+    PyTorch's caching allocator keeps them otherwise: the 27B's 54 GB of bf16 weights stay held while luxjax runs,
+    which an 80 GB H100 cannot spare (likely why XLA failed to compile the prefill there, "BlasLt is unavailable",
+    session 36)."""
+    import gc
+
+    gc.collect()
+    if device != "cuda":
+        return None
+    import torch
+
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
 def image_prompt_ids(ids: list[int], pad_id: int, image_tokens: int, prompt_tokens: int) -> list[int]:
     """`prompt_tokens` ids: half the text, the image's pad run, the other half."""
     text = max(prompt_tokens - image_tokens, 2)
@@ -223,6 +239,7 @@ def main():
     backend = build(ModelConfig.from_hf(cfg_dict), tensors, None, processor, args.dtype, origin=args.config)
     build_s = time.perf_counter() - t
     del tensors, torch_model
+    free_bytes = release_torch_cache(device)
     ours = measure_luxjax(backend, args.prompt_tokens, args.decode_steps, batches, image,
                           cfg_dict["text_config"]["vocab_size"])
 
@@ -231,7 +248,8 @@ def main():
               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps,
               "image_tokens": args.image_tokens, "weight_bytes": weight_bytes, "decode_bound_tok_s": bound,
-              "torch_init_s": init_s, "luxjax_build_s": build_s, "luxjax": ours, "transformers": peer}
+              "torch_init_s": init_s, "luxjax_build_s": build_s,
+              "device_free_bytes_before_luxjax": free_bytes, "luxjax": ours, "transformers": peer}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     rows = [("prefill tokens/s", args.prompt_tokens / ours["prefill_s"],

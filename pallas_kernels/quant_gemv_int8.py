@@ -155,7 +155,9 @@ SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, Fa
 # a thread's x words 48 -> 24) 23.9 -> 22.1. Not taken where the gain was within a single run's spread (IQ4_XS at
 # 4 rows: 34816 x 5120 81.1 -> 78.8, 5120 x 17408 42.1 -> 41.0; Q6_K 5120 x 17408 at one row 34.2 -> 33.0), and
 # slower at one bf16 row (IQ4_XS gate + up 40.3 -> 44.7, Q4_K 45.3 -> 52.2, Q4_K 5120 x 17408 26.9 -> 48.7): there a
-# thread's words of one row lie side by side along K, which two parts give up.
+# thread's words of one row lie side by side along K, which two parts give up. On an H200 (session 37) the DeltaNet
+# case 22.4 -> 20.5 us, 27B batch-1 decode 126.7 / 126.9 -> 127.5 / 127.6 tokens/s (runs alternated); two parts at
+# 4 rows (34816 x 5120 80.4 -> 78.6 us there) made batch-4 decode slower, 262.5 -> 257.2 / 257.4 tokens/s.
 TWO_PARTS = {(T.IQ4_XS, True, 1, 3)}
 
 

@@ -5,6 +5,7 @@
     python benchmarks/bench_decode_gemv.py --rows-sweep --formats IQ4_XS,Q4_K,Q6_K   (the packed regimes by rows)
     python benchmarks/bench_decode_gemv.py --split-sweep   (the int8 GEMV's tiles for its 5,120-output products)
     python benchmarks/bench_decode_gemv.py --parts-sweep   (the int8 GEMV's row tiles loaded in parts)
+    python benchmarks/bench_decode_gemv.py --group-parts-sweep   (the same on the decoder's many-weight launches)
 
 GB/s = weight bytes / the product kernel's time per layer (x and y are negligible), as a profiler trace of one
 jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2 records it (median launch); on a CPU,
@@ -522,6 +523,55 @@ def parts_sweep(deadline: float, key) -> list[dict]:
     return default_variants_sweep(PARTS_CASES, parts_variants, lambda bs: {"parts": bs.parts}, deadline, key)
 
 
+def stacked_group(outs: list[int], k: int, key):
+    """(IQ4_XS weights of `outs` rows each, stacked over layers (>= STACK_BYTES in all), layers, bytes per layer)."""
+    per_layer = sum(random_packed((n, k), T.IQ4_XS, key, jnp.bfloat16).nbytes for n in outs)
+    layers = max(2, -(-STACK_BYTES // per_layer))
+    ws = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[
+        random_packed((n, k), T.IQ4_XS, jax.random.fold_in(key, 100 * j + i), jnp.bfloat16)
+        for i in range(layers)]) for j, n in enumerate(outs))
+    return ws, layers, per_layer
+
+
+# The decoder's own many-weight launches (int8_quant_matmul_many) at 1 and 4 rows: session 37 found two parts 1-2%
+# faster on single-weight 4-row products and 2% slower end to end at batch 4, so parts are ranked on these too.
+GROUP_PARTS_CASES = [("MLP gate + up", [17408, 17408], jnp.bfloat16, 1),
+                     ("MLP gate + up", [17408, 17408], jnp.bfloat16, 4),
+                     ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], jnp.float32, 1),
+                     ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], jnp.float32, 4),
+                     ("attention q + k + v", [12288, 1024, 1024], jnp.bfloat16, 4)]
+
+
+def group_parts_sweep(deadline: float, key, k: int = 5120) -> list[dict]:
+    """Each GROUP_PARTS_CASE's one launch (its default tiles) in one and in two parts: the int8 GEMV kernel's median
+    launch from a trace of the layer scan (the scan's wall time per layer where there is no GPU)."""
+    rows = []
+    for name, outs, dtype, m in GROUP_PARTS_CASES:
+        ws, layers, per_layer = stacked_group(outs, k, key)
+        x = jax.random.normal(key, (m, k), dtype)
+        default = qi.BlockSizes.get_default(m, sum(outs), T.IQ4_XS, k // 256, qi.levels_for(dtype))
+        for parts in (1, 2):
+            if time.time() > deadline:
+                break
+            bs = dataclasses.replace(default, parts=parts)
+
+            def run(x, ws, bs=bs):
+                def body(h, i):
+                    ys = qi.int8_quant_matmul_many(h, ws, i, block_sizes=bs, interpret=backend.interpret())
+                    return chain(h, jnp.concatenate(ys, axis=-1)), None
+                return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+            fn = jax.jit(run)
+            wall = median_ms(fn, x, ws, repeats=7) / layers
+            kernel = kernel_ms(fn, x, ws, prefix="int8_gemv", calls=2, warmups=0)
+            ms = wall if kernel is None else kernel
+            rows.append({"group": name, "m": m, "x": jnp.dtype(dtype).name, "parts": parts,
+                         "default": parts == default.parts, "ms": ms, "gb_s": per_layer / ms / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+        del ws
+    return rows
+
+
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
     """The products of one input as separate launches (each quantizing x) and as one int8_quant_matmul_many launch,
     in a scan over stacked layers: all GPU kernels per layer (quantization and the chain's small ops included) and
@@ -529,11 +579,7 @@ def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
     rows = []
     for name, outs, dtype, m in PRODUCT_GROUPS:
         k = 5120
-        per_layer = sum(random_packed((n, k), T.IQ4_XS, key, jnp.bfloat16).nbytes for n in outs)
-        layers = max(2, -(-STACK_BYTES // per_layer))
-        ws = tuple(jax.tree.map(lambda *a: jnp.stack(a), *[
-            random_packed((n, k), T.IQ4_XS, jax.random.fold_in(key, 100 * j + i), jnp.bfloat16)
-            for i in range(layers)]) for j, n in enumerate(outs))
+        ws, layers, per_layer = stacked_group(outs, k, key)
         x = jax.random.normal(key, (m, k), dtype)
         for how, bs in [("separate", None), ("separate", block_sizes), ("one launch", None),
                         ("one launch", block_sizes)]:
@@ -600,6 +646,8 @@ def main():
                     help="only the int8 GEMV's default tiles with each choice of planes loaded a K step ahead")
     ap.add_argument("--parts-sweep", action="store_true",
                     help="only the int8 GEMV's default tiles against a row tile loaded in parts (BlockSizes.parts)")
+    ap.add_argument("--group-parts-sweep", action="store_true",
+                    help="only the decoder's many-weight int8 GEMV launches in one and two parts (BlockSizes.parts)")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the fused kernel's tensor-core regime (16 rows) at other tiles than its default")
     ap.add_argument("--skinny-check", action="store_true",
@@ -626,6 +674,14 @@ def main():
         print_table(sorted(rows, key=lambda r: (r["format"], r["out"], r["ms"])),
                     [*product, ("block sizes", lambda r: r["block_sizes"] + (" (default)" if r["default"] else "")),
                      ("GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
+        return
+    if args.group_parts_sweep:
+        rows = group_parts_sweep(start + args.seconds, key)
+        write_rows(args.json, rows)
+        print_table(rows, [("launch", lambda r: r["group"]), ("rows", lambda r: r["m"]), ("x", lambda r: r["x"]),
+                           ("parts", lambda r: f"{r['parts']}" + (" (default)" if r["default"] else "")),
+                           ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
+                           ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return
     if args.parts_sweep or args.ahead_sweep:
         rows = (parts_sweep if args.parts_sweep else ahead_sweep)(start + args.seconds, key)

@@ -84,11 +84,16 @@ def scan_fn(fmt: str, block_sizes):
 def layer_ms(fmt: str, block_sizes, x, stacked, layers: int, repeats: int = 15) -> tuple[float, float]:
     """(the product kernel's ms per layer from a profiler trace, or the wall time where there is no GPU trace; the
     scan's wall ms per layer)."""
-    fn = scan_fn(fmt, block_sizes)
-    wall = median_ms(fn, x, stacked, repeats=repeats) / layers
     prefix = ("stacked_gemv" if fmt == "bf16" else "int8_gemv" if isinstance(block_sizes, qi.BlockSizes)
               else "quant_matmul")
-    kernel = kernel_ms(fn, x, stacked, prefix=prefix, calls=2, warmups=0)
+    return scan_kernel_ms(scan_fn(fmt, block_sizes), x, stacked, layers, prefix, repeats)
+
+
+def scan_kernel_ms(fn, x, weights, layers: int, prefix: str, repeats: int) -> tuple[float, float]:
+    """layer_ms for any layer scan fn(x, weights) of `layers` layers whose product kernel's name starts with
+    `prefix`."""
+    wall = median_ms(fn, x, weights, repeats=repeats) / layers
+    kernel = kernel_ms(fn, x, weights, prefix=prefix, calls=2, warmups=0)
     return (wall if kernel is None else kernel), wall
 
 
@@ -533,6 +538,22 @@ def stacked_group(outs: list[int], k: int, key):
     return ws, layers, per_layer
 
 
+def group_scan_fn(how: str, block_sizes, layers: int):
+    """jit(x, ws) -> x after the products of one input per layer of the stacked weights ws, as "separate" launches
+    (each quantizing x) or as "one launch" (int8_quant_matmul_many)."""
+    def run(x, ws):
+        def body(h, i):
+            if how == "separate":
+                ys = [qi.int8_quant_matmul(h, w, i, block_sizes=block_sizes, interpret=backend.interpret())
+                      for w in ws]
+            else:
+                ys = qi.int8_quant_matmul_many(h, ws, i, block_sizes=block_sizes, interpret=backend.interpret())
+            return chain(h, jnp.concatenate(ys, axis=-1)), None
+        return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+    return jax.jit(run)
+
+
 # The decoder's own many-weight launches (int8_quant_matmul_many) at 1 and 4 rows: session 37 found two parts 1-2%
 # faster on single-weight 4-row products and 2% slower end to end at batch 4, so parts are ranked on these too.
 GROUP_PARTS_CASES = [("MLP gate + up", [17408, 17408], jnp.bfloat16, 1),
@@ -553,18 +574,8 @@ def group_parts_sweep(deadline: float, key, k: int = 5120) -> list[dict]:
         for parts in (1, 2):
             if time.time() > deadline:
                 break
-            bs = dataclasses.replace(default, parts=parts)
-
-            def run(x, ws, bs=bs):
-                def body(h, i):
-                    ys = qi.int8_quant_matmul_many(h, ws, i, block_sizes=bs, interpret=backend.interpret())
-                    return chain(h, jnp.concatenate(ys, axis=-1)), None
-                return jax.lax.scan(body, x, jnp.arange(layers))[0]
-
-            fn = jax.jit(run)
-            wall = median_ms(fn, x, ws, repeats=7) / layers
-            kernel = kernel_ms(fn, x, ws, prefix="int8_gemv", calls=2, warmups=0)
-            ms = wall if kernel is None else kernel
+            fn = group_scan_fn("one launch", dataclasses.replace(default, parts=parts), layers)
+            ms, _ = scan_kernel_ms(fn, x, ws, layers, "int8_gemv", repeats=7)
             rows.append({"group": name, "m": m, "x": jnp.dtype(dtype).name, "parts": parts,
                          "default": parts == default.parts, "ms": ms, "gb_s": per_layer / ms / 1e6})
             print(json.dumps(rows[-1]), flush=True)
@@ -585,17 +596,7 @@ def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
                         ("one launch", block_sizes)]:
             if time.time() > deadline:
                 break
-
-            def run(x, ws, how=how, bs=bs):
-                def body(h, i):
-                    if how == "separate":
-                        ys = [qi.int8_quant_matmul(h, w, i, block_sizes=bs, interpret=backend.interpret()) for w in ws]
-                    else:
-                        ys = qi.int8_quant_matmul_many(h, ws, i, block_sizes=bs, interpret=backend.interpret())
-                    return chain(h, jnp.concatenate(ys, axis=-1)), None
-                return jax.lax.scan(body, x, jnp.arange(layers))[0]
-
-            fn = jax.jit(run)
+            fn = group_scan_fn(how, bs, layers)
             wall = median_ms(fn, x, ws, repeats=9) / layers
             gpu = (call_kernels_ms(fn, x, ws) or float("nan")) / layers
             rows.append({"group": name, "how": how, "block_sizes": str(bs), "gpu_ms": gpu, "wall_ms": wall,

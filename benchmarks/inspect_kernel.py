@@ -1,8 +1,11 @@
-"""The int8 decode GEMV as a GPU would compile it, read without a GPU: registers, layout conversions, SASS opcodes
-(the kernel's and its K loop's: a loop step is what every program repeats, the rest runs once a program).
+"""The int8 decode GEMV (or the vision tower's attention) as a GPU would compile it, read without a GPU: registers,
+layout conversions, SASS opcodes (the kernel's and its longest loop's: a loop step is what every program repeats,
+the rest runs once a program).
 
     python benchmarks/inspect_kernel.py --out 17408 --in 5120 --tiles 16,4,8 [--prefetch] [--dtype float32]
     python benchmarks/inspect_kernel.py ... --triton /path/to/venv/bin/python   (a Python with PyPI's triton)
+    python benchmarks/inspect_kernel.py --vision 3900,16,72 --tiles 128,64,8,3   (tokens, heads, head dim; block_q,
+        block_k, warps, stages: HGMMA among the opcodes means Triton chose Hopper's warpgroup MMA)
 
 Pallas lowers a kernel to Triton IR in Python, for any platform (`lower(lowering_platforms=("cuda",))` needs no
 GPU); this script captures that IR from the lowering and hands it to PyPI's Triton, which compiles it for sm_90 and
@@ -50,7 +53,8 @@ sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", cubin], 
 code = [(int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)) for m in re.finditer(
     r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, re.M)]
 ops = collections.Counter(op for _, op, _ in code)
-# the K loop: the longest span a backward branch closes (the kernel's one loop; the final BRA to itself is not one)
+# the main loop: the longest span a backward branch closes (the GEMV's one K loop, the attention's longest key
+# loop; the final BRA to itself is not one)
 spans = [(int(t.group(1), 16), at) for at, op, rest in code if op == "BRA"
          for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < at]
 first, last = max(spans, key=lambda s: s[1] - s[0], default=(1, 0))
@@ -58,8 +62,8 @@ loop = collections.Counter(op for at, op, _ in code if first <= at <= last)
 print(json.dumps({"registers": int(re.search(r"REG:(\d+)", usage).group(1)), "shared_bytes": k.metadata.shared,
                   "layout_conversions": k.asm["ttgir"].count("ttg.convert_layout"),
                   "async_copies": ops.get("LDGSTS", 0),
-                  "sass_instructions": sum(ops.values()), "opcodes": dict(ops.most_common(16)),
-                  "loop_instructions": sum(loop.values()), "loop_opcodes": dict(loop.most_common(12))}))
+                  "sass_instructions": sum(ops.values()), "opcodes": dict(ops.most_common(60)),
+                  "loop_instructions": sum(loop.values()), "loop_opcodes": dict(loop.most_common(40))}))
 """
 
 
@@ -112,6 +116,19 @@ def int8_gemv_ir(out: int, k: int, rows: int, dtype, block_sizes: qi.BlockSizes,
     return ir
 
 
+def vision_attention_ir(tokens: int, heads: int, head_dim: int, block_sizes) -> str:
+    """The vision tower's attention kernel's Triton IR for one image of `tokens` patches, bf16 q, k, v."""
+    from pallas_kernels import vision_attention as va
+
+    qkv = jax.ShapeDtypeStruct((tokens, heads, head_dim), jnp.bfloat16)
+
+    def attend(q, k, v, segments):
+        return va.vision_attention(q, k, v, segments, scale=head_dim**-0.5, block_sizes=block_sizes)
+
+    *_, ir = capture_triton_ir(attend, qkv, qkv, qkv, jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    return ir
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=int, default=17408)
@@ -124,11 +141,21 @@ def main():
     ap.add_argument("--format", default="IQ4_XS", choices=[t.name for t in qi.FORMATS])
     ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
     ap.add_argument("--keep", help="also write the Triton IR here")
+    ap.add_argument("--vision", help="tokens,heads,head_dim: the vision attention kernel instead, --tiles as "
+                    "block_q,block_k,warps,stages")
     args = ap.parse_args()
-    block_n, blocks_k, warps, parts = (*(int(v) for v in args.tiles.split(",")), 1)[:4]
-    bs = qi.BlockSizes(block_n, blocks_k, warps, prefetch={"all": True, "small": "small", None: False}[args.prefetch],
-                       parts=parts)
-    ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
+    if args.vision:
+        from pallas_kernels.vision_attention import BlockSizes
+
+        bs = BlockSizes(*(int(v) for v in args.tiles.split(",")))
+        ir = vision_attention_ir(*(int(v) for v in args.vision.split(",")), bs)
+        warps, described = bs.num_warps, {"kernel": "vision_attention", "shape": args.vision, "block_sizes": str(bs)}
+    else:
+        block_n, blocks_k, warps, parts = (*(int(v) for v in args.tiles.split(",")), 1)[:4]
+        bs = qi.BlockSizes(block_n, blocks_k, warps, parts=parts,
+                           prefetch={"all": True, "small": "small", None: False}[args.prefetch])
+        ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
+        described = {"format": args.format, "block_sizes": str(bs), "rows": args.rows, "x": args.dtype}
     with tempfile.TemporaryDirectory() as d:
         path = Path(args.keep) if args.keep else Path(d) / "kernel.ttir"
         path.write_text(ir)
@@ -137,8 +164,7 @@ def main():
     if found.returncode:
         sys.exit(f"Triton could not compile the IR (is triton installed for {args.triton}?):\n{found.stderr[-2000:]}")
     report = json.loads(found.stdout.strip().splitlines()[-1])
-    print(json.dumps({"format": args.format, "block_sizes": str(bs), "rows": args.rows, "x": args.dtype, **report},
-                     indent=1))
+    print(json.dumps({**described, **report}, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ the compute dtype, quantized weights as their packed planes) and `manifest.json`
 without the checkpoint: the configs and the shape, dtype and packing of every source tensor). The manifest is
 written last, so an entry without one is incomplete and misses.
 
-The key fingerprints each file (path, size, mtime, first and last MiB), the dtype and the luxjax version: a changed
-file or release misses instead of restoring stale weights. Hashing only the ends keeps the key cheap on 100 GB
-files; the size and mtime catch edits in the middle.
+The key fingerprints each file (path, size, mtime, first and last MiB), the dtype, the luxjax version and the
+packed planes' layout (quant_formats.FORMATS): a changed file, release or packing misses instead of restoring stale
+weights (the layout apart from the version, because an editable install keeps its version string while the code
+moves). Hashing only the ends keeps the key cheap on 100 GB files; the size and mtime catch edits in the middle.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from gguf import GGMLQuantizationType
 
+from luxjax.checkpoint.quant_formats import FORMATS
 from luxjax.checkpoint.quants import QuantizedTensor
 
 FINGERPRINT_BYTES = 1 << 20
@@ -34,9 +36,16 @@ PARAMS = "params"
 def cache_key(files: Sequence[str | os.PathLike], dtype) -> str:
     digest = hashlib.sha256()
     digest.update(f"luxjax {importlib.metadata.version('luxjax')} dtype {jnp.dtype(dtype).name}\n".encode())
+    digest.update(packing_layout().encode())
     for file in files:
         _fingerprint(digest, Path(file))
     return digest.hexdigest()
+
+
+def packing_layout() -> str:
+    """Every quantized format's planes as name/bytes/dtype, one line per format."""
+    return "".join(f"{t.name}: " + " ".join(f"{f.name}/{f.nbytes}/{np.dtype(f.dtype).name}" for f in fmt.fields) + "\n"
+                   for t, fmt in FORMATS.items())
 
 
 def _fingerprint(digest, path: Path) -> None:

@@ -2,6 +2,7 @@
 model without reading tensors from the checkpoint and gives identical results; a changed file misses."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -10,9 +11,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as T
 
 import luxjax
-from luxjax.checkpoint import gguf_mmproj, gguf_qwen35, gguf_reader, param_cache
+from luxjax.checkpoint import gguf_mmproj, gguf_qwen35, gguf_reader, param_cache, quant_formats
 from luxjax.models.qwen35 import load as qwen35_load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "qwen35-tiny-a"
@@ -122,6 +124,17 @@ def test_key_follows_the_files(files, change):
     before = param_cache.cache_key(files, "float32")
     assert param_cache.cache_key(files, "bfloat16") != before
     change(files[0])
+    assert param_cache.cache_key(files, "float32") != before
+
+
+def test_key_follows_the_packing(files, monkeypatch):
+    """A changed plane layout (here IQ4_XS's four low-scale bytes viewed as one word) misses, whatever the
+    installed version string says."""
+    before = param_cache.cache_key(files, "float32")
+    fmt = quant_formats.FORMATS[T.IQ4_XS]
+    fields = tuple(dataclasses.replace(f, dtype=np.uint32) if f.name == "scales_l" else f for f in fmt.fields)
+    assert fields != fmt.fields
+    monkeypatch.setitem(param_cache.FORMATS, T.IQ4_XS, dataclasses.replace(fmt, fields=fields))
     assert param_cache.cache_key(files, "float32") != before
 
 

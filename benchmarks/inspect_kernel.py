@@ -35,7 +35,7 @@ from jax._src.pallas.triton import lowering  # noqa: E402
 
 from luxjax.checkpoint.quant_formats import FORMATS  # noqa: E402
 from luxjax.checkpoint.quants import QuantizedTensor  # noqa: E402
-from pallas_kernels import quant_gemv_int8 as qi  # noqa: E402
+from pallas_kernels import quant_gemv_int8 as qi, vision_attention as va  # noqa: E402
 
 # Run by the Triton Python: compile the IR file for sm_90, print one JSON line of what it found.
 _COMPILE = r"""
@@ -118,8 +118,6 @@ def int8_gemv_ir(out: int, k: int, rows: int, dtype, block_sizes: qi.BlockSizes,
 
 def vision_attention_ir(tokens: int, heads: int, head_dim: int, block_sizes) -> str:
     """The vision tower's attention kernel's Triton IR for one image of `tokens` patches, bf16 q, k, v."""
-    from pallas_kernels import vision_attention as va
-
     qkv = jax.ShapeDtypeStruct((tokens, heads, head_dim), jnp.bfloat16)
 
     def attend(q, k, v, segments):
@@ -145,9 +143,7 @@ def main():
                     "block_q,block_k,warps,stages")
     args = ap.parse_args()
     if args.vision:
-        from pallas_kernels.vision_attention import BlockSizes
-
-        bs = BlockSizes(*(int(v) for v in args.tiles.split(",")))
+        bs = va.BlockSizes(*(int(v) for v in args.tiles.split(",")))
         ir = vision_attention_ir(*(int(v) for v in args.vision.split(",")), bs)
         warps, described = bs.num_warps, {"kernel": "vision_attention", "shape": args.vision, "block_sizes": str(bs)}
     else:

@@ -134,7 +134,7 @@ def test_key_follows_the_packing(files, monkeypatch):
     fmt = quant_formats.FORMATS[T.IQ4_XS]
     fields = tuple(dataclasses.replace(f, dtype=np.uint32) if f.name == "scales_l" else f for f in fmt.fields)
     assert fields != fmt.fields
-    monkeypatch.setitem(param_cache.FORMATS, T.IQ4_XS, dataclasses.replace(fmt, fields=fields))
+    monkeypatch.setitem(quant_formats.FORMATS, T.IQ4_XS, dataclasses.replace(fmt, fields=fields))
     assert param_cache.cache_key(files, "float32") != before
 
 

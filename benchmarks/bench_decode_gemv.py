@@ -5,7 +5,8 @@
     python benchmarks/bench_decode_gemv.py --rows-sweep --formats IQ4_XS,Q4_K,Q6_K   (the packed regimes by rows)
     python benchmarks/bench_decode_gemv.py --split-sweep   (the int8 GEMV's tiles for its 5,120-output products)
     python benchmarks/bench_decode_gemv.py --parts-sweep   (the int8 GEMV's row tiles loaded in parts)
-    python benchmarks/bench_decode_gemv.py --group-parts-sweep   (the same on the decoder's many-weight launches)
+    python benchmarks/bench_decode_gemv.py --group-parts-sweep   (the same on the decoder's own launches)
+    python benchmarks/bench_decode_gemv.py --load-sweep   (the decoder's launches, their planes loaded each way)
 
 GB/s = weight bytes / the product kernel's time per layer (x and y are negligible), as a profiler trace of one
 jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2 records it (median launch); on a CPU,
@@ -554,33 +555,62 @@ def group_scan_fn(how: str, block_sizes, layers: int):
     return jax.jit(run)
 
 
-# The decoder's own many-weight launches (int8_quant_matmul_many) at 1 and 4 rows: session 37 found two parts 1-2%
-# faster on single-weight 4-row products and 2% slower end to end at batch 4, so parts are ranked on these too.
-GROUP_PARTS_CASES = [("MLP gate + up", [17408, 17408], jnp.bfloat16, 1),
-                     ("MLP gate + up", [17408, 17408], jnp.bfloat16, 4),
-                     ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], jnp.float32, 1),
-                     ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], jnp.float32, 4),
-                     ("attention q + k + v", [12288, 1024, 1024], jnp.bfloat16, 4)]
+# The decoder's own int8 GEMV launches (int8_quant_matmul_many; name, rows of each weight, in, x dtype, rows of x)
+# at 1 row, then at 4: session 37 found two parts 1-2% faster on single-weight 4-row products and 2% slower end to
+# end at batch 4, so variants are ranked on these too.
+DECODER_LAUNCHES = [("MLP gate + up", [17408, 17408], 5120, jnp.bfloat16, 1),
+                    ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], 5120, jnp.float32, 1),
+                    ("attention q + k + v", [12288, 1024, 1024], 5120, jnp.bfloat16, 1),
+                    ("MLP down", [5120], 17408, jnp.bfloat16, 1),
+                    ("DeltaNet out", [5120], 6144, jnp.float32, 1),
+                    ("attention out", [5120], 6144, jnp.bfloat16, 1),
+                    ("MLP gate + up", [17408, 17408], 5120, jnp.bfloat16, 4),
+                    ("DeltaNet qkv + z + b + a", [10240, 6144, 48, 48], 5120, jnp.float32, 4),
+                    ("attention q + k + v", [12288, 1024, 1024], 5120, jnp.bfloat16, 4),
+                    ("MLP down", [5120], 17408, jnp.bfloat16, 4)]
 
 
-def group_parts_sweep(deadline: float, key, k: int = 5120) -> list[dict]:
-    """Each GROUP_PARTS_CASE's one launch (its default tiles) in one and in two parts: the int8 GEMV kernel's median
-    launch from a trace of the layer scan (the scan's wall time per layer where there is no GPU)."""
+def launch_sweep(variants, label, deadline: float, key) -> list[dict]:
+    """Each DECODER_LAUNCH (one launch, IQ4_XS) at each of variants(its default tiles): the int8 GEMV kernel's median
+    launch from a trace of the layer scan (the scan's wall time per layer where there is no GPU), each row labelled
+    with label(block sizes)."""
     rows = []
-    for name, outs, dtype, m in GROUP_PARTS_CASES:
+    for name, outs, k, dtype, m in DECODER_LAUNCHES:
         ws, layers, per_layer = stacked_group(outs, k, key)
         x = jax.random.normal(key, (m, k), dtype)
         default = qi.BlockSizes.get_default(m, sum(outs), T.IQ4_XS, k // 256, qi.levels_for(dtype))
-        for parts in (1, 2):
+        for bs in dict.fromkeys(variants(default)):
             if time.time() > deadline:
                 break
-            fn = group_scan_fn("one launch", dataclasses.replace(default, parts=parts), layers)
+            fn = group_scan_fn("one launch", bs, layers)
             ms, _ = scan_kernel_ms(fn, x, ws, layers, "int8_gemv", repeats=7)
-            rows.append({"group": name, "m": m, "x": jnp.dtype(dtype).name, "parts": parts,
-                         "default": parts == default.parts, "ms": ms, "gb_s": per_layer / ms / 1e6})
+            rows.append({"group": name, "m": m, "x": jnp.dtype(dtype).name, **label(bs), "default": bs == default,
+                         "ms": ms, "gb_s": per_layer / ms / 1e6})
             print(json.dumps(rows[-1]), flush=True)
         del ws
     return rows
+
+
+def group_parts_sweep(deadline: float, key) -> list[dict]:
+    """Each DECODER_LAUNCH in one and in two parts."""
+    return launch_sweep(lambda d: [dataclasses.replace(d, parts=p) for p in (1, 2)], lambda bs: {"parts": bs.parts},
+                        deadline, key)
+
+
+def load_variants(default):
+    """The default tiles with each way of loading the planes: the codes as [BN, KB, *view] tiles or as one run a row
+    (BlockSizes.flat), the small planes whole or in pieces (BlockSizes.split_small); and where the default steps
+    over 4 blocks, one run of 2 (read without a GPU, gate + up at 4 bf16 rows with the small planes ahead: 80 -> 53
+    registers)."""
+    halved = [dataclasses.replace(default, blocks_k=2, flat=True)] if default.blocks_k == 4 else []
+    return [dataclasses.replace(default, flat=flat, split_small=split)
+            for flat, split in itertools.product((False, True), repeat=2)] + halved
+
+
+def load_sweep(deadline: float, key) -> list[dict]:
+    """Each DECODER_LAUNCH at each of load_variants."""
+    return launch_sweep(load_variants, lambda bs: {"flat": bs.flat, "split_small": bs.split_small,
+                                                   "blocks_k": bs.blocks_k}, deadline, key)
 
 
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:
@@ -648,7 +678,9 @@ def main():
     ap.add_argument("--parts-sweep", action="store_true",
                     help="only the int8 GEMV's default tiles against a row tile loaded in parts (BlockSizes.parts)")
     ap.add_argument("--group-parts-sweep", action="store_true",
-                    help="only the decoder's many-weight int8 GEMV launches in one and two parts (BlockSizes.parts)")
+                    help="only the decoder's int8 GEMV launches in one and two parts (BlockSizes.parts)")
+    ap.add_argument("--load-sweep", action="store_true",
+                    help="only the decoder's int8 GEMV launches with their planes loaded each way (load_variants)")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the fused kernel's tensor-core regime (16 rows) at other tiles than its default")
     ap.add_argument("--skinny-check", action="store_true",
@@ -676,11 +708,15 @@ def main():
                     [*product, ("block sizes", lambda r: r["block_sizes"] + (" (default)" if r["default"] else "")),
                      ("GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return
-    if args.group_parts_sweep:
-        rows = group_parts_sweep(start + args.seconds, key)
+    if args.group_parts_sweep or args.load_sweep:
+        rows = (group_parts_sweep if args.group_parts_sweep else load_sweep)(start + args.seconds, key)
         write_rows(args.json, rows)
+        variant = (lambda r: f"{r['parts']} parts") if args.group_parts_sweep else (
+            lambda r: f"{'flat' if r['flat'] else 'tiles'}, {'pieces' if r['split_small'] else 'whole'}, "
+                      f"{r['blocks_k']} blocks")
         print_table(rows, [("launch", lambda r: r["group"]), ("rows", lambda r: r["m"]), ("x", lambda r: r["x"]),
-                           ("parts", lambda r: f"{r['parts']}" + (" (default)" if r["default"] else "")),
+                           ("loads" if args.load_sweep else "parts",
+                            lambda r: variant(r) + (" (default)" if r["default"] else "")),
                            ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
                            ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return

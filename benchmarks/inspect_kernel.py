@@ -136,6 +136,9 @@ def main():
     ap.add_argument("--tiles", default="16,4,8", help="block_n, blocks_k, warps[, parts]")
     ap.add_argument("--prefetch", nargs="?", const="all", choices=["all", "small"],
                     help="load the next K step's planes ahead in registers (all, or the small planes only)")
+    ap.add_argument("--flat", action="store_true", help="load the codes as one run a row (BlockSizes.flat)")
+    ap.add_argument("--split-small", action="store_true",
+                    help="load the small planes in pieces of fewer values than threads (BlockSizes.split_small)")
     ap.add_argument("--format", default="IQ4_XS", choices=[t.name for t in qi.FORMATS])
     ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
     ap.add_argument("--keep", help="also write the Triton IR here")
@@ -148,7 +151,7 @@ def main():
         warps, described = bs.num_warps, {"kernel": "vision_attention", "shape": args.vision, "block_sizes": str(bs)}
     else:
         block_n, blocks_k, warps, parts = (*(int(v) for v in args.tiles.split(",")), 1)[:4]
-        bs = qi.BlockSizes(block_n, blocks_k, warps, parts=parts,
+        bs = qi.BlockSizes(block_n, blocks_k, warps, parts=parts, flat=args.flat, split_small=args.split_small,
                            prefetch={"all": True, "small": "small", None: False}[args.prefetch])
         ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
         described = {"format": args.format, "block_sizes": str(bs), "rows": args.rows, "x": args.dtype}

@@ -68,6 +68,11 @@ class Int8Format:
         hold a step ahead in registers (quant_gemv_int8.BlockSizes.prefetch "small")."""
         return tuple(name for name, view in self.planes.items() if math.prod(view) <= 16)
 
+    @property
+    def code_planes(self) -> tuple[str, ...]:
+        """The planes of the weights' codes (all but the small and the split ones): the bulk of the bytes."""
+        return tuple(name for name in self.planes if name not in self.small_planes and name not in self.split_planes)
+
 
 def words(b: jax.Array) -> jax.Array:
     """Bytes [..., 16] (uint8 or int8) -> uint32 words [..., 4], byte i of a word at bits 8i (memory order,

@@ -30,6 +30,9 @@ own software pipelining of the loop (cp.async copies of the next steps into shar
 `tt.num_stages` attribute on the loop, which Pallas does not set: tried through a lowering rule) measured 1.05-1.9x
 slower on every 27B decode product (session 26). A row tile may load in parts (BlockSizes.parts), so that a thread
 multiplies words of several rows by one load of x's words: fewer registers where x has three levels (TWO_PARTS).
+Two more ways to load a step, options read without a GPU and not yet timed: the codes as one run a row
+(BlockSizes.flat) and the small planes in pieces that Triton loads straight into the words' layout
+(BlockSizes.split_small).
 Used where dot4 and byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce stays (see
 uses_int8).
 """
@@ -95,6 +98,17 @@ class BlockSizes:
     # K positions and loads their x words once (in one tensor of block_n rows, a thread's words lie along K, one
     # row, and its x words are as many as its weights / 2 at two levels)
     parts: int = 1
+    # the codes (Int8Format.code_planes) of a row's K step loaded as one run of words or bytes ([BN', KB * block
+    # bytes], reshaped in the kernel): Triton lays a warp's threads along the run, so that a warp reads 512
+    # contiguous bytes of one row, where a [BN', KB, *view] load (contiguous to Triton only along its last axis) puts
+    # them along the rows, a warp's wide load touching 32 lines 16 bytes each (not timed yet: session 39)
+    flat: bool = False
+    # the small planes (Int8Format.small_planes that the format does not split) loaded in pieces of fewer values
+    # than the program has threads (small_pieces): Triton moves a load into its user's layout only when it has fewer
+    # values than threads (its isExpensiveLoadOrStore); a larger one keeps a layout of its own and reaches the words'
+    # layout through shared memory, two barriers every K step (IQ4_XS's scales_l at 16 rows, 4 blocks a step and 8
+    # warps: 256 bytes; read without a GPU, benchmarks/RESULTS.md session 39, not timed)
+    split_small: bool = False
 
     @classmethod
     def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int, levels: int = 2) -> BlockSizes:
@@ -352,13 +366,48 @@ def quantized_x(x: jax.Array | Deferred, fmt: Int8Format, levels: int, *, interp
     return tuple(a.reshape(shape) for a, shape in parts)
 
 
-def _load_step(planes, sl, fmt: Int8Format) -> dict:
+def small_pieces(fmt: Int8Format, bs: BlockSizes, kb: int) -> dict[str, int]:
+    """{small plane: pieces} for BlockSizes.split_small: the fewest halvings of a block's values of the plane that
+    leave each load of a K step (BN / parts rows, kb blocks) fewer values than the program's threads."""
+    if not bs.split_small:
+        return {}
+    pieces, threads = {}, 32 * bs.num_warps  # warps of 32: the kernel runs on CUDA only (uses_int8)
+    for name in fmt.small_planes:
+        per_block, count = math.prod(fmt.planes[name]), 1
+        while (bs.block_n // bs.parts) * kb * per_block // count >= threads and per_block % (2 * count) == 0:
+            count *= 2
+        if count > 1 and name not in fmt.split_planes:
+            pieces[name] = count
+    return pieces
+
+
+def _joined(pieces: list[jax.Array], view: tuple[int, ...]) -> jax.Array:
+    """Loads [BN, KB, n] of a block's consecutive runs of n values -> [BN, KB, *view], by selects (each thread holds
+    every piece at its positions: nothing moves between threads)."""
+    at = lax.broadcasted_iota(jnp.int32, (1, 1, len(pieces), 1), 2)
+    whole = pieces[-1][:, :, None, :]
+    for i in range(len(pieces) - 2, -1, -1):
+        whole = jnp.where(at == i, pieces[i][:, :, None, :], whole)
+    return whole.reshape(*whole.shape[:2], *view)
+
+
+def _load_step(planes, sl, fmt: Int8Format, flat: bool = False, pieces: dict[str, int] | None = None) -> dict:
     """The packed planes of this program's rows over the K step `sl`, loaded: {name: [BN, KB, *view]}, or for the
     format's split planes {indices on the split axes: the load at them} (Triton lowers no slicing of a loaded array,
-    and its arrays must have power-of-two sizes: Q4_K's 3 x 4 scale bytes)."""
+    and its arrays must have power-of-two sizes: Q4_K's 3 x 4 scale bytes). With `flat` the code planes are views
+    [BN, blocks * per block], each loaded as one run per row and reshaped (BlockSizes.flat); a plane in `pieces`
+    (small_pieces) is a view [BN, blocks, pieces, per block / pieces], loaded a piece at a time and joined."""
     loaded = {}
     for name, plane in planes.items():
         view, axes = fmt.planes[name], fmt.split_planes.get(name)
+        if pieces and name in pieces:
+            loaded[name] = _joined([plane[:, sl, i, :] for i in range(pieces[name])], view)
+            continue
+        if flat and name in fmt.code_planes:
+            per_block = math.prod(view)
+            run = pl.ds(pl.multiple_of(sl.start * per_block, sl.size * per_block), sl.size * per_block)
+            loaded[name] = plane[:, run].reshape(-1, sl.size, *view)
+            continue
         if axes is None:
             loaded[name] = plane[:, sl]
             continue
@@ -371,7 +420,8 @@ def _load_step(planes, sl, fmt: Int8Format) -> dict:
     return loaded
 
 
-def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, parts, kb, steps, levels, prefetch, interpret):
+def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, parts, flat, pieces, kb, steps, levels, prefetch,
+            interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
     of tiles * BN rows), K steps split * steps ... of it; weight i's o [1, BM, tiles * BN] is that block's output."""
     # [layer], constants, per weight its planes (fmt.planes' order) whole, x words [BM, L, blocks, *fmt.x_words],
@@ -386,16 +436,16 @@ def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, parts, kb, steps, 
     block, split = pl.program_id(1), pl.program_id(2)
     stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref,
                                magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, parts=parts,
-                               kb=kb, steps=steps, levels=levels, prefetch=prefetch)
+                               flat=flat, pieces=pieces, kb=kb, steps=steps, levels=levels, prefetch=prefetch)
     count = len(fmt.planes)
     per_weight_tile(block, tile_counts, lambda i, local: stream(
         refs[count * i: count * (i + 1)], local * tiles * block_n, o_ref=o_refs[i]))
 
 
 def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, split,
-                 block_n, tiles, parts, kb, steps, levels, prefetch):
+                 block_n, tiles, parts, flat, pieces, kb, steps, levels, prefetch):
     """o = x @ W[first_row : first_row + tiles * BN].T over this split's K steps, one weight's planes: the row
-    tiles one after another, their K steps in one loop (flat step i: tile i // steps, K step i % steps); each tile's
+    tiles one after another, their K steps in one loop (loop step i: tile i // steps, K step i % steps); each tile's
     rows in `parts` parts of BN / parts rows (BlockSizes.parts)."""
     rows, part_n = o_ref.shape[1], block_n // parts
 
@@ -410,7 +460,7 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     def load(i, names):  # lax.div / lax.rem: jnp's floor forms do not lower to Triton here
         tile, sl = lax.div(i, steps), k_slice(lax.rem(i, steps))
         return tuple(_load_step({name: view for name, view in tile_planes(tile, part).items() if name in names}, sl,
-                                fmt) for part in range(parts))
+                                fmt, flat, pieces) for part in range(parts))
 
     def accumulate(loaded, s, accs):
         """accs[part][r] += the step's sums of the part's rows times x row r; x's words and scales loaded once
@@ -559,15 +609,19 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     if bs.block_n % bs.parts:
         raise ValueError(f"a row tile of {bs.block_n} rows does not split into {bs.parts} parts")
     program_rows = _program_rows(bs)
+    pieces = small_pieces(fmt, bs, kb)
+    views = {name: (blocks, *view) for name, view in fmt.planes.items()}
+    if bs.flat:  # each row's codes as one run (BlockSizes.flat)
+        views.update({name: (blocks * math.prod(fmt.planes[name]),) for name in fmt.code_planes})
+    views.update({name: (blocks, count, math.prod(fmt.planes[name]) // count) for name, count in pieces.items()})
     if layer is None:  # rows padded to whole tiles (a stacked weight cannot be: it would be copied)
-        planes = [[_pad_to(w.planes[name].reshape(n, blocks, *view), 0, program_rows)
-                   for name, view in fmt.planes.items()] for w, n in zip(ws, ns)]
+        planes = [[_pad_to(w.planes[name].reshape(n, *views[name]), 0, program_rows) for name in fmt.planes]
+                  for w, n in zip(ws, ns)]
     elif any(n % program_rows for n in ns) or len({w.planes["d"].shape[0] for w in ws}) != 1:
         raise ValueError(f"stacked weights of one depth with rows a multiple of block_n * tiles = {program_rows}; "
                          f"got {[(w.planes['d'].shape[0], n) for w, n in zip(ws, ns)]}")
     else:
-        planes = [[w.planes[name].reshape(-1, n, blocks, *view) for name, view in fmt.planes.items()]
-                  for w, n in zip(ws, ns)]
+        planes = [[w.planes[name].reshape(-1, n, *views[name]) for name in fmt.planes] for w, n in zip(ws, ns)]
     padded = tuple(p[0].shape[0 if layer is None else 1] for p in planes)  # each plane [(L,) rows, blocks, ...]
     tile_counts = tuple(n // program_rows for n in padded)
     x_parts = quantized_x(x, fmt, levels, interpret=interpret)
@@ -577,18 +631,18 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     out_dtype = out_dtype or x.dtype
     steps = blocks // (kb * splits)
     kernel = functools.partial(_kernel, fmt=fmt, tile_counts=tile_counts, stacked=layer is not None,
-                               block_n=bs.block_n, tiles=bs.tiles, parts=bs.parts, kb=kb, steps=steps,
-                               levels=levels, prefetch=bs.prefetches(steps), interpret=interpret)
+                               block_n=bs.block_n, tiles=bs.tiles, parts=bs.parts, flat=bs.flat, pieces=pieces, kb=kb,
+                               steps=steps, levels=levels, prefetch=bs.prefetches(steps), interpret=interpret)
     x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in x_parts]
-    flat_planes = [p for weight_planes in planes for p in weight_planes]
+    all_planes = [p for weight_planes in planes for p in weight_planes]
     ys = pl.pallas_call(
         kernel,
         out_shape=tuple(split_out_shape(splits, m, n, out_dtype) for n in padded),
         grid=(1, sum(tile_counts), splits),
-        in_specs=[*(WHOLE for _ in range(len(flat_planes) + 1 + (layer is not None))), *x_specs],
+        in_specs=[*(WHOLE for _ in range(len(all_planes) + 1 + (layer is not None))), *x_specs],
         out_specs=weight_out_specs(tile_counts, (1, m, program_rows)),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret, debug=debug, name=f"int8_gemv_{ws[0].ggml_type.name.lower()}",
     )(*([] if layer is None else [jnp.reshape(layer, (1,)).astype(jnp.int32)]),
-      jnp.asarray(_CONSTANTS, jnp.uint32), *flat_planes, *x_parts)
+      jnp.asarray(_CONSTANTS, jnp.uint32), *all_planes, *x_parts)
     return tuple(sum_splits(y, out_dtype)[:, :n] for y, n in zip(ys, ns))

@@ -375,7 +375,8 @@ def test_int8_gemv_reads_the_chosen_layer(ggml_type, m, splits, seed, interpret)
 
 # (rows of x, x dtype, rows of each weight, block sizes): weights of unequal rows side by side; the streaming options
 # (the next step's planes loaded ahead, all or the small ones, several row tiles per program, K splits, a row
-# tile's rows in parts) on whole-tile weights (x's 1,024 values are 4 blocks: one block per K step and no K split
+# tile's rows in parts, the codes loaded as one run a row, the small planes in pieces: IQ4_XS's scales_l in two and,
+# at one warp, in four) on whole-tile weights (x's 1,024 values are 4 blocks: one block per K step and no K split
 # gives each program 4 steps a row tile)
 MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), None),
               (2, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch=True, splits=1)),
@@ -387,7 +388,13 @@ MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), 
               (2, jnp.bfloat16, (48, 16), qi.BlockSizes(16, 2, 8, prefetch="small", splits=1)),
               (2, jnp.bfloat16, (32, 16), qi.BlockSizes(16, 1, 4, parts=2)),
               (1, jnp.float32, (48, 16), qi.BlockSizes(16, 2, 8, prefetch=True, splits=1, parts=2)),
-              (3, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch="small", splits=2, tiles=2, parts=4))]
+              (3, jnp.float32, (32, 64), qi.BlockSizes(16, 1, 4, prefetch="small", splits=2, tiles=2, parts=4)),
+              (2, jnp.bfloat16, (32, 16), qi.BlockSizes(16, 2, 4, flat=True)),
+              (1, jnp.float32, (48, 16), qi.BlockSizes(16, 2, 8, prefetch=True, splits=1, parts=2, flat=True)),
+              (4, jnp.bfloat16, (32, 64), qi.BlockSizes(16, 1, 4, prefetch="small", splits=2, tiles=2, flat=True)),
+              (2, jnp.bfloat16, (32, 16), qi.BlockSizes(16, 2, 4, split_small=True)),
+              (1, jnp.float32, (48, 16), qi.BlockSizes(16, 2, 1, prefetch="small", splits=1, flat=True,
+                                                       split_small=True))]
 
 
 @by_name

@@ -372,11 +372,11 @@ def small_pieces(fmt: Int8Format, bs: BlockSizes, kb: int) -> dict[str, int]:
     if not bs.split_small:
         return {}
     pieces, threads = {}, 32 * bs.num_warps  # warps of 32: the kernel runs on CUDA only (uses_int8)
-    for name in fmt.small_planes:
+    for name in (name for name in fmt.small_planes if name not in fmt.split_planes):
         per_block, count = math.prod(fmt.planes[name]), 1
         while (bs.block_n // bs.parts) * kb * per_block // count >= threads and per_block % (2 * count) == 0:
             count *= 2
-        if count > 1 and name not in fmt.split_planes:
+        if count > 1:
             pieces[name] = count
     return pieces
 

@@ -485,13 +485,15 @@ def default_variants_sweep(cases, variants, label, deadline: float, key) -> list
     label(block sizes)."""
     rows = []
     for fmt, out, k, m, dtype in cases:
+        if time.time() > deadline:
+            break
         stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
         x = jax.random.normal(key, (m, k), dtype)
         default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
         for bs in dict.fromkeys(variants(default)):
             if time.time() > deadline or out % bs.block_n:
                 continue
-            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, **label(bs))
+            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, **label(bs), default=bs == default)
             if row is not None:
                 rows.append(row)
         del stacked
@@ -607,10 +609,18 @@ def load_variants(default):
             for flat, split in itertools.product((False, True), repeat=2)] + halved
 
 
+# The output head of llama.cpp's IQ4_XS and Q4_K_M plans (Q6_K, 248,320 x 5120: ~1 GB a decode step, the largest
+# single product), as AHEAD_CASES.
+HEAD_CASES = [("Q6_K", 248320, 5120, 1, jnp.bfloat16), ("Q6_K", 248320, 5120, 4, jnp.bfloat16)]
+
+
 def load_sweep(deadline: float, key) -> list[dict]:
-    """Each DECODER_LAUNCH at each of load_variants."""
-    return launch_sweep(load_variants, lambda bs: {"flat": bs.flat, "split_small": bs.split_small,
-                                                   "blocks_k": bs.blocks_k}, deadline, key)
+    """Each DECODER_LAUNCH, then each HEAD_CASE, at each of load_variants."""
+    def label(bs):
+        return {"flat": bs.flat, "split_small": bs.split_small, "blocks_k": bs.blocks_k}
+    rows = launch_sweep(load_variants, label, deadline, key)
+    return rows + [{"group": f"{r['format']} {r['out']} x {r['in']}", **r}
+                   for r in default_variants_sweep(HEAD_CASES, load_variants, label, deadline, key)]
 
 
 def group_sweep(deadline: float, key, block_sizes) -> list[dict]:

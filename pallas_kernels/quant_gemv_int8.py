@@ -30,9 +30,8 @@ own software pipelining of the loop (cp.async copies of the next steps into shar
 `tt.num_stages` attribute on the loop, which Pallas does not set: tried through a lowering rule) measured 1.05-1.9x
 slower on every 27B decode product (session 26). A row tile may load in parts (BlockSizes.parts), so that a thread
 multiplies words of several rows by one load of x's words: fewer registers where x has three levels (TWO_PARTS).
-Two more ways to load a step, options read without a GPU and not yet timed: the codes as one run a row
-(BlockSizes.flat) and the small planes in pieces that Triton loads straight into the words' layout
-(BlockSizes.split_small).
+Two more ways to load a step: the codes as one run a row (BlockSizes.flat) and the small planes in pieces that Triton
+loads straight into the words' layout (BlockSizes.split_small); IQ4_XS takes them at 3-4 rows of x (LOADS_AT_ROWS).
 Used where dot4 and byte_perm are single instructions (CUDA); elsewhere quant_matmul's float reduce stays (see
 uses_int8).
 """
@@ -101,13 +100,13 @@ class BlockSizes:
     # the codes (Int8Format.code_planes) of a row's K step loaded as one run of words or bytes ([BN', KB * block
     # bytes], reshaped in the kernel): Triton lays a warp's threads along the run, so that a warp reads 512
     # contiguous bytes of one row, where a [BN', KB, *view] load (contiguous to Triton only along its last axis) puts
-    # them along the rows, a warp's wide load touching 32 lines 16 bytes each (not timed yet: session 39)
+    # them along the rows, a warp's wide load touching 32 lines 16 bytes each (where: LOADS_AT_ROWS)
     flat: bool = False
     # the small planes (Int8Format.small_planes that the format does not split) loaded in pieces of fewer values
     # than the program has threads (small_pieces): Triton moves a load into its user's layout only when it has fewer
     # values than threads (its isExpensiveLoadOrStore); a larger one keeps a layout of its own and reaches the words'
     # layout through shared memory, two barriers every K step (IQ4_XS's scales_l at 16 rows, 4 blocks a step and 8
-    # warps: 256 bytes; read without a GPU, benchmarks/RESULTS.md session 39, not timed)
+    # warps: 256 bytes; benchmarks/RESULTS.md sessions 39-40; where: LOADS_AT_ROWS)
     split_small: bool = False
 
     @classmethod
@@ -117,7 +116,9 @@ class BlockSizes:
         per K step and 8 warps; one block per step where the rows give fewer tiles than multiprocessors, so that K
         splits fill it; below one wave of programs, FEW_TILES. Several row tiles per program measured slower
         (--stream-sweep: 1,022-1,537 against 2,186 GB/s). The K-quants do not load whole steps ahead (FEW_TILES'
-        sweep: with prefetch 1.1-2x slower); the small planes load ahead where SMALL_AHEAD says."""
+        sweep: with prefetch 1.1-2x slower); the small planes load ahead where SMALL_AHEAD says, a row tile in
+        parts where TWO_PARTS says, and the small planes in pieces (with the codes as one run a row in launches of
+        many row tiles) where LOADS_AT_ROWS says."""
         tiles, prefetch = n // 16, None if ggml_type == T.IQ4_XS else False
         if tiles < 132:
             return cls(16, 1, 8, prefetch=prefetch)
@@ -128,6 +129,8 @@ class BlockSizes:
             chosen = dataclasses.replace(chosen, prefetch="small")
         if (ggml_type, one_wave, rows, levels) in TWO_PARTS:
             chosen = dataclasses.replace(chosen, parts=2)
+        if (ggml_type, one_wave, rows > 2) in LOADS_AT_ROWS:
+            chosen = dataclasses.replace(chosen, split_small=True, flat=tiles >= FLAT_MIN_TILES)
         return chosen
 
     def prefetches(self, steps: int) -> bool | str:
@@ -173,6 +176,17 @@ SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, Fa
 # case 22.4 -> 20.5 us, 27B batch-1 decode 126.7 / 126.9 -> 127.5 / 127.6 tokens/s (runs alternated); two parts at
 # 4 rows (34816 x 5120 80.4 -> 78.6 us there) made batch-4 decode slower, 262.5 -> 257.2 / 257.4 tokens/s.
 TWO_PARTS = {(T.IQ4_XS, True, 1, 3)}
+
+# Where the small planes load in pieces (BlockSizes.split_small), and in launches of at least FLAT_MIN_TILES row
+# tiles the codes as one run a row (BlockSizes.flat): (format, whether the product fills a wave of programs, rows >
+# 2). `bench_decode_gemv.py --load-sweep` on an H100 (session 40, two runs within 1% of each other), the decoder's
+# own launches at 4 rows, GPU us a layer, default -> pieces / one run and pieces: gate + up (2,176 tiles, bf16 x)
+# 79.9 -> 88.7 / 76.5; the DeltaNet's four (1,024 tiles, float32 x) 54.2 -> 55.0 / 53.2; q + k + v (896 tiles)
+# 40.2 -> 34.1 / 38.5; down (FEW_TILES) 41.7 -> 51.6 / 44.0, so not there. End to end, batch-4 decode 259.6-259.8
+# -> 264.0-264.2 tokens/s (27B IQ4_XS, three pairs alternated). At one row pieces measured slower end to end
+# (117.8 / 117.9 -> 116.9 / 117.0 tokens/s; gate + up 40.4 -> 41.8 us), so not there. Not measured on an H200.
+LOADS_AT_ROWS = {(T.IQ4_XS, True, True)}
+FLAT_MIN_TILES = 1024
 
 
 def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:

@@ -572,12 +572,12 @@ DECODER_LAUNCHES = [("MLP gate + up", [17408, 17408], 5120, jnp.bfloat16, 1),
                     ("MLP down", [5120], 17408, jnp.bfloat16, 4)]
 
 
-def launch_sweep(variants, label, deadline: float, key) -> list[dict]:
-    """Each DECODER_LAUNCH (one launch, IQ4_XS) at each of variants(its default tiles): the int8 GEMV kernel's median
-    launch from a trace of the layer scan (the scan's wall time per layer where there is no GPU), each row labelled
-    with label(block sizes)."""
+def launch_sweep(variants, label, deadline: float, key, launches=DECODER_LAUNCHES) -> list[dict]:
+    """Each of launches (DECODER_LAUNCHES: one launch, IQ4_XS) at each of variants(its default tiles): the int8 GEMV
+    kernel's median launch from a trace of the layer scan (the scan's wall time per layer where there is no GPU),
+    each row labelled with label(block sizes)."""
     rows = []
-    for name, outs, k, dtype, m in DECODER_LAUNCHES:
+    for name, outs, k, dtype, m in launches:
         ws, layers, per_layer = stacked_group(outs, k, key)
         x = jax.random.normal(key, (m, k), dtype)
         default = qi.BlockSizes.get_default(m, sum(outs), T.IQ4_XS, k // 256, qi.levels_for(dtype))
@@ -597,6 +597,23 @@ def group_parts_sweep(deadline: float, key) -> list[dict]:
     """Each DECODER_LAUNCH in one and in two parts."""
     return launch_sweep(lambda d: [dataclasses.replace(d, parts=p) for p in (1, 2)], lambda bs: {"parts": bs.parts},
                         deadline, key)
+
+
+def ahead_parts_variants(default):
+    """The default tiles; everything loaded a K step ahead (prefetch=True); that in two parts, and two parts alone.
+    Why: read without a GPU (inspect_kernel.py, PyPI Triton 3.6), one-row gate + up loads a step ahead at 68
+    registers in one part (three programs of 8 warps a multiprocessor instead of four: session 26 measured it
+    slower) but at 64 in two, so the loads of the next step could overlap this step's decoding at the default's
+    occupancy (loop 213 -> 238 instructions); the float32 DeltaNet four likewise 64 (242 -> 255). On an H100
+    (session 41) loading ahead was slower on every launch, in one part or two; two parts alone won on q + k + v."""
+    return [default, dataclasses.replace(default, prefetch=True), dataclasses.replace(default, parts=2, prefetch=True),
+            dataclasses.replace(default, parts=2)]
+
+
+def ahead_parts_sweep(deadline: float, key) -> list[dict]:
+    """The decoder's one-row launches at each of ahead_parts_variants."""
+    return launch_sweep(ahead_parts_variants, lambda bs: {"parts": bs.parts, "ahead": str(bs.prefetch)}, deadline,
+                        key, launches=[launch for launch in DECODER_LAUNCHES if launch[-1] == 1])
 
 
 def load_variants(default):
@@ -689,6 +706,8 @@ def main():
                     help="only the int8 GEMV's default tiles against a row tile loaded in parts (BlockSizes.parts)")
     ap.add_argument("--group-parts-sweep", action="store_true",
                     help="only the decoder's int8 GEMV launches in one and two parts (BlockSizes.parts)")
+    ap.add_argument("--ahead-parts-sweep", action="store_true",
+                    help="only the decoder's one-row launches loading a step ahead, in one and two parts")
     ap.add_argument("--load-sweep", action="store_true",
                     help="only the decoder's int8 GEMV launches with their planes loaded each way (load_variants)")
     ap.add_argument("--skinny-sweep", action="store_true",
@@ -718,14 +737,17 @@ def main():
                     [*product, ("block sizes", lambda r: r["block_sizes"] + (" (default)" if r["default"] else "")),
                      ("GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return
-    if args.group_parts_sweep or args.load_sweep:
-        rows = (group_parts_sweep if args.group_parts_sweep else load_sweep)(start + args.seconds, key)
+    if args.group_parts_sweep or args.load_sweep or args.ahead_parts_sweep:
+        rows = (group_parts_sweep if args.group_parts_sweep else ahead_parts_sweep if args.ahead_parts_sweep
+                else load_sweep)(start + args.seconds, key)
         write_rows(args.json, rows)
-        variant = (lambda r: f"{r['parts']} parts") if args.group_parts_sweep else (
+        variant = ((lambda r: f"{r['parts']} parts") if args.group_parts_sweep
+                   else (lambda r: f"{r['parts']} parts, ahead {r['ahead']}") if args.ahead_parts_sweep else (
             lambda r: f"{'flat' if r['flat'] else 'tiles'}, {'pieces' if r['split_small'] else 'whole'}, "
-                      f"{r['blocks_k']} blocks")
+                      f"{r['blocks_k']} blocks"))
+        heading = "loads" if args.load_sweep else "parts" if args.group_parts_sweep else "parts, loaded ahead"
         print_table(rows, [("launch", lambda r: r["group"]), ("rows", lambda r: r["m"]), ("x", lambda r: r["x"]),
-                           ("loads" if args.load_sweep else "parts",
+                           (heading,
                             lambda r: variant(r) + (" (default)" if r["default"] else "")),
                            ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
                            ("us", lambda r: f"{1e3 * r['ms']:.1f}")])

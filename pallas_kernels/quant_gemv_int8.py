@@ -117,8 +117,8 @@ class BlockSizes:
         splits fill it; below one wave of programs, FEW_TILES. Several row tiles per program measured slower
         (--stream-sweep: 1,022-1,537 against 2,186 GB/s). The K-quants do not load whole steps ahead (FEW_TILES'
         sweep: with prefetch 1.1-2x slower); the small planes load ahead where SMALL_AHEAD says, a row tile in
-        parts where TWO_PARTS says, and the small planes in pieces (with the codes as one run a row in launches of
-        many row tiles) where LOADS_AT_ROWS says."""
+        parts where TWO_PARTS (or, in launches of fewer row tiles, TWO_PARTS_BELOW_MANY_TILES) says, and the small
+        planes in pieces (with the codes as one run a row in launches of many row tiles) where LOADS_AT_ROWS says."""
         tiles, prefetch = n // 16, None if ggml_type == T.IQ4_XS else False
         if tiles < 132:
             return cls(16, 1, 8, prefetch=prefetch)
@@ -127,7 +127,8 @@ class BlockSizes:
         chosen = cls(16, 4, 8, prefetch=prefetch) if one_wave else few
         if levels == 2 and (ggml_type, one_wave, rows > 2) in SMALL_AHEAD:
             chosen = dataclasses.replace(chosen, prefetch="small")
-        if (ggml_type, one_wave, rows, levels) in TWO_PARTS:
+        two_parts = (ggml_type, one_wave, rows, levels)
+        if two_parts in TWO_PARTS or (two_parts in TWO_PARTS_BELOW_MANY_TILES and tiles < FLAT_MIN_TILES):
             chosen = dataclasses.replace(chosen, parts=2)
         if (ggml_type, one_wave, rows > 2) in LOADS_AT_ROWS:
             chosen = dataclasses.replace(chosen, split_small=True, flat=tiles >= FLAT_MIN_TILES)
@@ -176,6 +177,12 @@ SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, Fa
 # case 22.4 -> 20.5 us, 27B batch-1 decode 126.7 / 126.9 -> 127.5 / 127.6 tokens/s (runs alternated); two parts at
 # 4 rows (34816 x 5120 80.4 -> 78.6 us there) made batch-4 decode slower, 262.5 -> 257.2 / 257.4 tokens/s.
 TWO_PARTS = {(T.IQ4_XS, True, 1, 3)}
+# ... and, with the same key, in launches of fewer than FLAT_MIN_TILES row tiles only: at one bf16 row two parts
+# measured slower on gate + up (2,176 tiles: 40.3 -> 45.3 us) but faster on q + k + v (896 tiles: 20.5 -> 18.4 us;
+# `bench_decode_gemv.py --ahead-parts-sweep` on an H100, session 41, one run), and 27B IQ4_XS batch-1 decode
+# 117.5-117.95 -> 117.9-118.1 tokens/s there (five pairs alternated, faster in each and than the base run after it:
+# +0.03-0.39%, mean +0.15%, below the ~0.4% that 2 us x 16 layers predicts). Not measured on an H200.
+TWO_PARTS_BELOW_MANY_TILES = {(T.IQ4_XS, True, 1, 2)}
 
 # Where the small planes load in pieces (BlockSizes.split_small), and in launches of at least FLAT_MIN_TILES row
 # tiles the codes as one run a row (BlockSizes.flat): (format, whether the product fills a wave of programs, rows >

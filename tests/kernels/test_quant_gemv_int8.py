@@ -398,7 +398,9 @@ MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), 
               # LOADS_AT_ROWS' tiles at 4 rows: gate + up's, the DeltaNet's four's, q + k + v's
               (4, jnp.bfloat16, (32, 16), qi.BlockSizes(16, 4, 8, prefetch="small", flat=True, split_small=True)),
               (4, jnp.float32, (48, 16), qi.BlockSizes(16, 4, 8, flat=True, split_small=True)),
-              (4, jnp.bfloat16, (16, 32), qi.BlockSizes(16, 4, 8, prefetch="small", split_small=True))]
+              (4, jnp.bfloat16, (16, 32), qi.BlockSizes(16, 4, 8, prefetch="small", split_small=True)),
+              # TWO_PARTS_BELOW_MANY_TILES' tiles at one bf16 row (q + k + v's)
+              (1, jnp.bfloat16, (32, 16, 16), qi.BlockSizes(16, 4, 8, parts=2))]
 
 
 @by_name
@@ -521,9 +523,10 @@ def test_default_tiles_below_one_wave(ggml_type):
     """BlockSizes.get_default: products of fewer 16-row tiles than one wave of programs (the 27B's 5,120 outputs)
     take the format's FEW_TILES entry for their rows where its K splits divide the blocks, else the general tiles
     (which the K-quants never load ahead); the small planes load ahead exactly where SMALL_AHEAD names the format,
-    regime and rows, and only for x in two levels; a row tile loads in two parts exactly where TWO_PARTS says, its
-    small planes in pieces exactly where LOADS_AT_ROWS says, and its codes as one run a row there only in launches
-    of at least FLAT_MIN_TILES row tiles."""
+    regime and rows, and only for x in two levels; a row tile loads in two parts exactly where TWO_PARTS says, and
+    in launches of fewer than FLAT_MIN_TILES row tiles also where TWO_PARTS_BELOW_MANY_TILES says; its small planes
+    in pieces exactly where LOADS_AT_ROWS says, and its codes as one run a row there only in launches of at least
+    FLAT_MIN_TILES row tiles."""
     def tiles(bs):
         return bs.block_n, bs.blocks_k, bs.num_warps, bs.splits
 
@@ -541,9 +544,12 @@ def test_default_tiles_below_one_wave(ggml_type):
         assert tiles(wide) == (16, 4, 8, None)
         assert wide.prefetch == expected_prefetch(qi.BlockSizes(16, 4, 8, prefetch=False if k_quant else None),
                                                   True, rows, levels), (rows, levels)
-        assert (wide.parts, got.parts) == (2 if (ggml_type, True, rows, levels) in qi.TWO_PARTS else 1, 1)
-        loads = (ggml_type, True, rows > 2) in qi.LOADS_AT_ROWS
+        two_parts = (ggml_type, True, rows, levels)
         fewer = qi.BlockSizes.get_default(rows, 16 * (qi.FLAT_MIN_TILES - 1), ggml_type, 20, levels)
+        assert (wide.parts, fewer.parts, got.parts) == (
+            2 if two_parts in qi.TWO_PARTS else 1,
+            2 if two_parts in qi.TWO_PARTS | qi.TWO_PARTS_BELOW_MANY_TILES else 1, 1), (rows, levels)
+        loads = (ggml_type, True, rows > 2) in qi.LOADS_AT_ROWS
         assert [(bs.split_small, bs.flat) for bs in (wide, fewer, got)] == [(loads, loads), (loads, False),
                                                                             (False, False)], (rows, levels)
     odd = qi.BlockSizes.get_default(1, 5120, ggml_type, 17, 3)  # 17 blocks: no whole K splits

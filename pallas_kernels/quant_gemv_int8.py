@@ -128,10 +128,10 @@ class BlockSizes:
         if levels == 2 and (ggml_type, one_wave, rows > 2) in SMALL_AHEAD:
             chosen = dataclasses.replace(chosen, prefetch="small")
         two_parts = (ggml_type, one_wave, rows, levels)
-        if two_parts in TWO_PARTS or (two_parts in TWO_PARTS_BELOW_MANY_TILES and tiles < FLAT_MIN_TILES):
+        if two_parts in TWO_PARTS or (two_parts in TWO_PARTS_BELOW_MANY_TILES and tiles < MANY_TILES):
             chosen = dataclasses.replace(chosen, parts=2)
         if (ggml_type, one_wave, rows > 2) in LOADS_AT_ROWS:
-            chosen = dataclasses.replace(chosen, split_small=True, flat=tiles >= FLAT_MIN_TILES)
+            chosen = dataclasses.replace(chosen, split_small=True, flat=tiles >= MANY_TILES)
         return chosen
 
     def prefetches(self, steps: int) -> bool | str:
@@ -167,6 +167,11 @@ FEW_TILES = {
 SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, False), (T.Q6_K, False, False)}
 
 
+# Launches of at least this many row tiles (the 27B's gate + up, 2,176, and the DeltaNet's four, 1,030; not q + k + v,
+# 896) load differently from smaller ones: their codes as one run a row at 3-4 rows (LOADS_AT_ROWS), in one part at
+# one bf16 row (TWO_PARTS_BELOW_MANY_TILES). The threshold lies between measured launches, not at a measured optimum.
+MANY_TILES = 1024
+
 # Where a row tile loads in two parts by default (BlockSizes.parts): (format, whether the product fills a wave of
 # programs, rows of x, levels of x). `bench_decode_gemv.py --parts-sweep` on an H100 (session 36), GPU us a layer,
 # one part -> two: IQ4_XS 16384 x 5120 at one float32 row (the DeltaNet's four projections; three levels of x, so
@@ -177,23 +182,22 @@ SMALL_AHEAD = {(T.IQ4_XS, True, True), (T.Q4_K, True, False), (T.Q4_K, False, Fa
 # case 22.4 -> 20.5 us, 27B batch-1 decode 126.7 / 126.9 -> 127.5 / 127.6 tokens/s (runs alternated); two parts at
 # 4 rows (34816 x 5120 80.4 -> 78.6 us there) made batch-4 decode slower, 262.5 -> 257.2 / 257.4 tokens/s.
 TWO_PARTS = {(T.IQ4_XS, True, 1, 3)}
-# ... and, with the same key, in launches of fewer than FLAT_MIN_TILES row tiles only: at one bf16 row two parts
+# ... and, with the same key, in launches of fewer than MANY_TILES row tiles only: at one bf16 row two parts
 # measured slower on gate + up (2,176 tiles: 40.3 -> 45.3 us) but faster on q + k + v (896 tiles: 20.5 -> 18.4 us;
 # `bench_decode_gemv.py --ahead-parts-sweep` on an H100, session 41, one run), and 27B IQ4_XS batch-1 decode
 # 117.5-117.95 -> 117.9-118.1 tokens/s there (five pairs alternated, faster in each and than the base run after it:
 # +0.03-0.39%, mean +0.15%, below the ~0.4% that 2 us x 16 layers predicts). Not measured on an H200.
 TWO_PARTS_BELOW_MANY_TILES = {(T.IQ4_XS, True, 1, 2)}
 
-# Where the small planes load in pieces (BlockSizes.split_small), and in launches of at least FLAT_MIN_TILES row
+# Where the small planes load in pieces (BlockSizes.split_small), and in launches of at least MANY_TILES row
 # tiles the codes as one run a row (BlockSizes.flat): (format, whether the product fills a wave of programs, rows >
 # 2). `bench_decode_gemv.py --load-sweep` on an H100 (session 40, two runs within 1% of each other), the decoder's
 # own launches at 4 rows, GPU us a layer, default -> pieces / one run and pieces: gate + up (2,176 tiles, bf16 x)
-# 79.9 -> 88.7 / 76.5; the DeltaNet's four (1,024 tiles, float32 x) 54.2 -> 55.0 / 53.2; q + k + v (896 tiles)
+# 79.9 -> 88.7 / 76.5; the DeltaNet's four (1,030 tiles, float32 x) 54.2 -> 55.0 / 53.2; q + k + v (896 tiles)
 # 40.2 -> 34.1 / 38.5; down (FEW_TILES) 41.7 -> 51.6 / 44.0, so not there. End to end, batch-4 decode 259.6-259.8
 # -> 264.0-264.2 tokens/s (27B IQ4_XS, three pairs alternated). At one row pieces measured slower end to end
 # (117.8 / 117.9 -> 116.9 / 117.0 tokens/s; gate + up 40.4 -> 41.8 us), so not there. Not measured on an H200.
 LOADS_AT_ROWS = {(T.IQ4_XS, True, True)}
-FLAT_MIN_TILES = 1024
 
 
 def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:

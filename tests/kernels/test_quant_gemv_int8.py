@@ -524,9 +524,9 @@ def test_default_tiles_below_one_wave(ggml_type):
     take the format's FEW_TILES entry for their rows where its K splits divide the blocks, else the general tiles
     (which the K-quants never load ahead); the small planes load ahead exactly where SMALL_AHEAD names the format,
     regime and rows, and only for x in two levels; a row tile loads in two parts exactly where TWO_PARTS says, and
-    in launches of fewer than FLAT_MIN_TILES row tiles also where TWO_PARTS_BELOW_MANY_TILES says; its small planes
+    in launches of fewer than MANY_TILES row tiles also where TWO_PARTS_BELOW_MANY_TILES says; its small planes
     in pieces exactly where LOADS_AT_ROWS says, and its codes as one run a row there only in launches of at least
-    FLAT_MIN_TILES row tiles."""
+    MANY_TILES row tiles."""
     def tiles(bs):
         return bs.block_n, bs.blocks_k, bs.num_warps, bs.splits
 
@@ -545,7 +545,7 @@ def test_default_tiles_below_one_wave(ggml_type):
         assert wide.prefetch == expected_prefetch(qi.BlockSizes(16, 4, 8, prefetch=False if k_quant else None),
                                                   True, rows, levels), (rows, levels)
         two_parts = (ggml_type, True, rows, levels)
-        fewer = qi.BlockSizes.get_default(rows, 16 * (qi.FLAT_MIN_TILES - 1), ggml_type, 20, levels)
+        fewer = qi.BlockSizes.get_default(rows, 16 * (qi.MANY_TILES - 1), ggml_type, 20, levels)
         assert (wide.parts, fewer.parts, got.parts) == (
             2 if two_parts in qi.TWO_PARTS else 1,
             2 if two_parts in qi.TWO_PARTS | qi.TWO_PARTS_BELOW_MANY_TILES else 1, 1), (rows, levels)

@@ -737,18 +737,20 @@ def main():
                     [*product, ("block sizes", lambda r: r["block_sizes"] + (" (default)" if r["default"] else "")),
                      ("GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"), ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return
-    if args.group_parts_sweep or args.load_sweep or args.ahead_parts_sweep:
-        rows = (group_parts_sweep if args.group_parts_sweep else ahead_parts_sweep if args.ahead_parts_sweep
-                else load_sweep)(start + args.seconds, key)
+    launch_sweeps = [  # (chosen, sweep, heading of its variant column, the variant of a row)
+        (args.group_parts_sweep, group_parts_sweep, "parts", lambda r: f"{r['parts']} parts"),
+        (args.ahead_parts_sweep, ahead_parts_sweep, "parts, loaded ahead",
+         lambda r: f"{r['parts']} parts, ahead {r['ahead']}"),
+        (args.load_sweep, load_sweep, "loads",
+         lambda r: f"{'flat' if r['flat'] else 'tiles'}, {'pieces' if r['split_small'] else 'whole'}, "
+                   f"{r['blocks_k']} blocks")]
+    for chosen, launch_sweep_fn, heading, variant in launch_sweeps:
+        if not chosen:
+            continue
+        rows = launch_sweep_fn(start + args.seconds, key)
         write_rows(args.json, rows)
-        variant = ((lambda r: f"{r['parts']} parts") if args.group_parts_sweep
-                   else (lambda r: f"{r['parts']} parts, ahead {r['ahead']}") if args.ahead_parts_sweep else (
-            lambda r: f"{'flat' if r['flat'] else 'tiles'}, {'pieces' if r['split_small'] else 'whole'}, "
-                      f"{r['blocks_k']} blocks"))
-        heading = "loads" if args.load_sweep else "parts" if args.group_parts_sweep else "parts, loaded ahead"
         print_table(rows, [("launch", lambda r: r["group"]), ("rows", lambda r: r["m"]), ("x", lambda r: r["x"]),
-                           (heading,
-                            lambda r: variant(r) + (" (default)" if r["default"] else "")),
+                           (heading, lambda r: variant(r) + (" (default)" if r["default"] else "")),
                            ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
                            ("us", lambda r: f"{1e3 * r['ms']:.1f}")])
         return

@@ -578,6 +578,8 @@ def launch_sweep(variants, label, deadline: float, key, launches=DECODER_LAUNCHE
     each row labelled with label(block sizes)."""
     rows = []
     for name, outs, k, dtype, m in launches:
+        if time.time() > deadline:
+            break
         ws, layers, per_layer = stacked_group(outs, k, key)
         x = jax.random.normal(key, (m, k), dtype)
         default = qi.BlockSizes.get_default(m, sum(outs), T.IQ4_XS, k // 256, qi.levels_for(dtype))

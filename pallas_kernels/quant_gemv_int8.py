@@ -52,7 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend
-from luxjax.ops.deferred import Deferred, GatedInput, NormedInput
+from luxjax.ops.deferred import Deferred, GatedInput, GatedNormedInput, NormedInput
 from pallas_kernels import dot4
 from pallas_kernels.dense_gemv import (
     per_weight_tile, split_count, split_out_shape, sum_splits, weight_out_specs)
@@ -203,10 +203,17 @@ LOADS_AT_ROWS = {(T.IQ4_XS, True, True)}
 def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, list]:
     """(arrays, in specs) a quantization kernel of grid (row, block) reads for x [m, blocks * 256], each block
     [*view]: x's own blocks; a GatedInput's gate and up blocks; a NormedInput's blocks of x, its sum_sq [m] and the
-    stacked weight [L, blocks, *view] whole with the layer [1] (the kernel indexes them: _x_values)."""
+    stacked weight [L, blocks, *view] whole with the layer [1] (the kernel indexes them: _x_values); a
+    GatedNormedInput's blocks of x and gate and its stacked weight as [L, pieces, *view[1:]] (pieces: the head's
+    entries along the view's first axis; _x_blocks) whole with the layer [1]."""
     block = pl.BlockSpec((None, None, *view), lambda r, j: (r, j) + (0,) * len(view))
     if isinstance(x, GatedInput):
         return [x.gate.reshape(m, blocks, *view), x.up.reshape(m, blocks, *view)], [block, block]
+    if isinstance(x, GatedNormedInput):
+        weight = x.weight.reshape(x.weight.shape[0], x.head // (BLOCK // view[0]), *view[1:])
+        arrays = [x.x.reshape(m, blocks, *view), x.gate.reshape(m, blocks, *view), weight,
+                  jnp.reshape(x.layer, (1,)).astype(jnp.int32)]
+        return arrays, [block, block, WHOLE, WHOLE]
     if isinstance(x, NormedInput):
         arrays = [x.x.reshape(m, blocks, *view), x.sum_sq.reshape(m),
                   x.weight.reshape(x.weight.shape[0], blocks, *view), jnp.reshape(x.layer, (1,)).astype(jnp.int32)]
@@ -234,6 +241,49 @@ def _x_values(x_form, x_refs, index) -> jax.Array:
         inv_rms = NormedInput.inverse_rms(sum_sq_ref[row], width, eps)
         return NormedInput.form(x_ref[index], inv_rms, weight, dtype).astype(jnp.float32)
     return x_refs[0][index].astype(jnp.float32)
+
+
+def _sum_after_first_axis(v: jax.Array) -> jax.Array:
+    """v summed over every axis but its first (one axis at a time: the reductions Triton lowers)."""
+    while v.ndim > 1:
+        v = jnp.sum(v, axis=-1)
+    return v
+
+
+def _x_blocks(x_form, x_refs, indices) -> list[jax.Array]:
+    """A quantization kernel's block of x at each of `indices`, float32, formed where x is deferred: _x_values at
+    each, but for a GatedNormedInput, whose norm sums each head's squares over the loads of all of them. The
+    indices together cover the block, each taking the view's first axis whole; a head covers `pieces` consecutive
+    entries of that axis (the weight's second axis, _x_operands), so every entry's sum of squares is its head's and
+    its weight the piece at its position in the head."""
+    kind, dtype, _, eps = x_form
+    if kind is not GatedNormedInput:
+        return [_x_values(x_form, x_refs, index) for index in indices]
+    x_ref, gate_ref, w_ref, layer_ref = x_refs
+    xs = [x_ref[index].astype(jnp.float32) for index in indices]
+    entries, pieces = x_ref.shape[0], w_ref.shape[1]
+    sums = functools.reduce(jnp.add, [_sum_after_first_axis(v * v) for v in xs])  # [entries]
+    same_head = (lax.broadcasted_iota(jnp.int32, (entries, entries), 0) // pieces
+                 == lax.broadcasted_iota(jnp.int32, (entries, entries), 1) // pieces)
+    head_sums = jnp.sum(jnp.where(same_head, sums[None, :], 0.0), axis=1)
+    inv_rms = NormedInput.inverse_rms(head_sums, pieces * BLOCK // entries, eps)
+    formed = []
+    for index, v in zip(indices, xs):
+        piece = lax.broadcasted_iota(jnp.int32, v.shape, 0) % pieces
+        weight = jnp.broadcast_to(w_ref[(layer_ref[0], 0, *index[1:])][None], v.shape)
+        for p in range(1, pieces):
+            weight = jnp.where(piece == p, w_ref[(layer_ref[0], p, *index[1:])][None], weight)
+        inv = inv_rms.reshape(entries, *(1,) * (v.ndim - 1))
+        formed.append(GatedNormedInput.form(v, gate_ref[index], weight, inv, dtype).astype(jnp.float32))
+    return formed
+
+
+def _in_blocks(x, view: tuple[int, ...]):
+    """x as a quantization kernel of blocks [*view] takes it: a GatedNormedInput formed first (by XLA) unless each
+    of its heads lies within one block and covers whole entries of the view's first axis (_x_blocks)."""
+    if isinstance(x, GatedNormedInput) and (x.head % (BLOCK // view[0]) or BLOCK % x.head):
+        return x.value()
+    return x
 
 
 def levels_for(dtype) -> int:
@@ -276,8 +326,8 @@ def _quantize_kernel(const_ref, *refs, x_form, levels, interpret):
     *x_refs, q_ref, d_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     bytes_at = list(itertools.product(range(2), range(2), range(2)))  # (hi, h, b)
-    rest = [_x_values(x_form, x_refs, (slice(None), slice(None), hi, slice(None), h, b))
-            for hi, h, b in bytes_at]  # each [4, 2, 4]: (g2, gp, w)
+    rest = _x_blocks(x_form, x_refs, [(slice(None), slice(None), hi, slice(None), h, b)
+                                      for hi, h, b in bytes_at])  # each [4, 2, 4]: (g2, gp, w)
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])
     d = jnp.maximum(amax, TINY) / 127.0  # [4, 2]: groups below 2^-100 quantize to zeros, as in quantize_x
     d_ref[...] = d
@@ -303,6 +353,7 @@ def quantized_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = F
     m, k = x.shape
     blocks = k // 256
     view = (4, 2, 2, 4, 2, 2)
+    x = _in_blocks(x, view)
     arrays, specs = _x_operands(x, m, blocks, view)
     words, scales = pl.pallas_call(
         functools.partial(_quantize_kernel, x_form=_x_form(x), levels=levels, interpret=interpret),
@@ -326,7 +377,7 @@ def _natural_quantize_kernel(const_ref, *refs, x_form, levels, interpret):
     level's integer sum over each 16 values. Rounds as _quantize_kernel."""
     *x_refs, q_ref, d_ref, s_ref, ls_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
-    rest = [_x_values(x_form, x_refs, (slice(None), slice(None), slice(None), b)) for b in range(4)]  # each [8, 2, 4]
+    rest = _x_blocks(x_form, x_refs, [(slice(None), slice(None), slice(None), b) for b in range(4)])  # each [8, 2, 4]
     s_ref[...] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in rest])
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])  # [8, 2]
     amax = jnp.max(amax, axis=-1, keepdims=True)  # [8, 1]
@@ -356,6 +407,7 @@ def natural_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = Fal
     m, k = x.shape
     blocks = k // BLOCK
     view = (8, 2)
+    x = _in_blocks(x, (*view, 4, 4))
     arrays, specs = _x_operands(x, m, blocks, (*view, 4, 4))
     return pl.pallas_call(
         functools.partial(_natural_quantize_kernel, x_form=_x_form(x), levels=levels, interpret=interpret),

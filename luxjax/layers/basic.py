@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from luxjax.ops.deferred import NormedInput
+from luxjax.ops.deferred import GatedNormedInput, NormedInput, row_sum
 from luxjax.ops.linear import embedding_lookup, layer_stacks, linear
 
 
@@ -17,10 +17,10 @@ class MatrixParam(nnx.Param):
 
 class KernelParam(nnx.Param):
     """A small per-layer parameter that a decode kernel takes as an operand (the DeltaNet's conv taps and decay
-    constants; the norm weights that the int8 GEMV's quantization reads, ZeroCenteredRMSNorm.deferred). Decode's
-    layer scan leaves these stacked too, like MatrixParam, so code reading them takes layer_value: a kernel operand
-    cannot fuse the scan's slice of it, and XLA copied each one out of its stack for every layer and step (an H200
-    decode profile of the 27B: three ~1.7 us copies per DeltaNet layer)."""
+    constants; the norm weights that the int8 GEMV's quantization reads: ZeroCenteredRMSNorm.deferred,
+    GatedRMSNorm.deferred). Decode's layer scan leaves these stacked too, like MatrixParam, so code reading them
+    takes layer_value: a kernel operand cannot fuse the scan's slice of it, and XLA copied each one out of its stack
+    for every layer and step (an H200 decode profile of the 27B: three ~1.7 us copies per DeltaNet layer)."""
 
 
 class Linear(nnx.Module):
@@ -45,20 +45,6 @@ class Embedding(nnx.Module):
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
         return embedding_lookup(self.weight.get_value(), ids, dtype)
-
-
-def row_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis (kept, size 1). On the CPU by folding the axis in halves, elementwise adds that sum
-    each row in one order whatever the number of rows: XLA:CPU's reduce does not (jaxlib 0.10.2, measured: the sum of
-    squares over [T, 2, 64] moved by 7.6e-6 between T = 16 and T = 256), which made a prompt's logits depend on its
-    prefill chunking. As fast as the reduce there (and under grad); elsewhere the reduce."""
-    if jax.default_backend() != "cpu":
-        return jnp.sum(x, axis=-1, keepdims=True)
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        folded = x[..., :half] + x[..., half : 2 * half]
-        x = jnp.concatenate([folded, x[..., 2 * half :]], axis=-1) if x.shape[-1] % 2 else folded
-    return x
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -87,16 +73,23 @@ class ZeroCenteredRMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """DeltaNet output norm: w * norm(x) (rounded to x's dtype first, as the reference does) * silu(gate)."""
+    """DeltaNet output norm: w * norm(x) (rounded to x's dtype first, as the reference does) * silu(gate), the norm
+    over x's last axis. The weight is a KernelParam: `deferred` hands the norm to a product unformed, whose
+    quantization kernel reads the weight in place."""
 
     def __init__(self, weight, eps: float):
-        self.weight = nnx.Param(weight)
+        self.weight = KernelParam(weight)
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        normed = rms_normalize(x, self.eps).astype(x.dtype)
-        y = self.weight.get_value().astype(x.dtype) * normed
-        return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+        return self.deferred(x, gate).value()
+
+    def deferred(self, x: jax.Array, gate: jax.Array) -> GatedNormedInput:
+        """The norm of x and gate [..., heads * head] (heads side by side, head = the weight's size), unformed
+        (luxjax.ops.deferred): linear() and friends form it where they need an array, the int8 GEMV's
+        quantization kernel as it loads x."""
+        (stacked,), layer = layer_stacks((self.weight.get_value(),))
+        return GatedNormedInput(x, gate.reshape(x.shape), stacked, layer, self.eps)
 
 
 class LayerNorm(nnx.Module):

@@ -1,4 +1,5 @@
-"""Inputs of a product handed over unformed: an MLP's activation (GatedInput) or an RMS norm's output (NormedInput).
+"""Inputs of a product handed over unformed: an MLP's activation (GatedInput), an RMS norm's output (NormedInput) or
+the DeltaNet's gated per-head norm (GatedNormedInput).
 
 In a decode step these are each one small XLA launch between two GEMV launches (in a 27B step on an H200: 64
 activations and 128 norms' scalings, ~1.6 us each), and the int8 GEMV quantizes its input in a kernel of its own
@@ -14,6 +15,20 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (kept, size 1). On the CPU by folding the axis in halves, elementwise adds that sum
+    each row in one order whatever the number of rows: XLA:CPU's reduce does not (jaxlib 0.10.2, measured: the sum of
+    squares over [T, 2, 64] moved by 7.6e-6 between T = 16 and T = 256), which made a prompt's logits depend on its
+    prefill chunking. As fast as the reduce there (and under grad); elsewhere the reduce."""
+    if jax.default_backend() != "cpu":
+        return jnp.sum(x, axis=-1, keepdims=True)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        folded = x[..., :half] + x[..., half : 2 * half]
+        x = jnp.concatenate([folded, x[..., 2 * half :]], axis=-1) if x.shape[-1] % 2 else folded
+    return x
 
 
 def swiglu(gate, up):
@@ -93,7 +108,57 @@ class NormedInput:
         return self.form(self.x, inv_rms[..., None], weight, self.dtype)
 
 
-Deferred = GatedInput | NormedInput
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class GatedNormedInput:
+    """w * rms_norm(x) * silu(gate) with the norm over each head of `head` consecutive values, rounded to x's dtype
+    at each of the reference's steps (Qwen3.5's DeltaNet output norm, layers.basic.GatedRMSNorm): unformed whole, its
+    sums of squares too. A head lies within one 256-value block of x where `head` divides 256, so the int8 GEMV's
+    quantization kernel forms it from the blocks it loads: formed by XLA it was a launch of its own per DeltaNet
+    layer and decode step (~1.3 us on an H200), and deferred the 27B's IQ4_XS batch-1 decode went 119.5-119.9 ->
+    121.0-121.2 tokens/s on an H100, batch 4 263.2-264.2 -> 264.7-265.4 (runs alternated; benchmarks/RESULTS.md,
+    session 42). The weight [L, head] is kept stacked over layers with the layer to read."""
+
+    x: jax.Array  # [..., heads * head]
+    gate: jax.Array  # [..., heads * head]
+    weight: jax.Array  # [L, head]
+    layer: jax.Array  # int32 scalar: the weight's row
+    eps: float = field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    @property
+    def head(self) -> int:
+        return self.weight.shape[-1]
+
+    def reshape(self, *shape) -> GatedNormedInput:
+        return GatedNormedInput(self.x.reshape(*shape), self.gate.reshape(*shape), self.weight, self.layer, self.eps)
+
+    @staticmethod
+    def form(x, gate, weight, inv_rms, dtype):
+        """x times its head's inv_rms (broadcast), rounded to dtype; times weight in dtype; times silu(gate) in
+        float32, rounded to dtype: layers.basic.GatedRMSNorm's steps."""
+        normed = (x.astype(jnp.float32) * inv_rms).astype(dtype)
+        y = weight.astype(dtype) * normed
+        g = gate.astype(jnp.float32)
+        return (y.astype(jnp.float32) * (g * jax.nn.sigmoid(g))).astype(dtype)
+
+    def value(self) -> jax.Array:
+        heads = self.x.reshape(*self.x.shape[:-1], -1, self.head)
+        x = heads.astype(jnp.float32)
+        inv_rms = NormedInput.inverse_rms(row_sum(x * x), self.head, self.eps)
+        weight = jax.lax.dynamic_index_in_dim(self.weight, self.layer, 0, keepdims=False)
+        gate = self.gate.reshape(heads.shape)
+        return self.form(heads, gate, weight, inv_rms, self.x.dtype).reshape(self.x.shape)
+
+
+Deferred = GatedInput | NormedInput | GatedNormedInput
 
 
 def materialize(x):

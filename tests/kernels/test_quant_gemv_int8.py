@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 from luxjax.checkpoint.quants import QuantizedTensor
 from luxjax.ops import backend, linear as linear_mod
-from luxjax.ops.deferred import GatedInput, NormedInput
+from luxjax.ops.deferred import GatedInput, GatedNormedInput, NormedInput
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import quant_gemv_int8 as qi
 from pallas_kernels.dot4 import dot4
@@ -307,6 +307,57 @@ def test_int8_gemv_forms_a_normed_input(ggml_type, m, dtype, seed, interpret):
                + 1e-6 * (np.abs(normed) @ np.abs(dense).T))
     worst = (np.abs(got - normed @ dense.T) / allowed).max()
     assert worst <= 1, f"{ggml_type.name} normed x[{m},{k}] {jnp.dtype(dtype).name} seed {seed}: {worst:.3g} x bound"
+
+
+def gated_norm_oracle(x, gate, weight, head: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(w * rms_norm(x) * silu(gate) per head of `head` values, in float64 by numpy with x's dtype's roundings where
+    the reference rounds (after the norm, after the weight, at the end), per value how far an evaluation may be from
+    it): in float32 a few units of its last place; in a 16-bit dtype a step of it at each of the three roundings,
+    where a float32 evaluation may land on either side of a boundary."""
+    def as_dtype(v):
+        return np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+
+    heads = x.reshape(*x.shape[:-1], -1, head)
+    normed = as_dtype(heads / np.sqrt((heads * heads).mean(-1, keepdims=True) + EPS))
+    y = as_dtype(as_dtype(weight) * normed)
+    with np.errstate(over="ignore"):
+        out = as_dtype(y * (gate.reshape(heads.shape) / (1 + np.exp(-gate.reshape(heads.shape))))).reshape(x.shape)
+    relative = 2.0**-20 if jnp.dtype(dtype) == jnp.float32 else 3 * 2.0**-8
+    return out, relative * np.abs(out)
+
+
+@by_name
+@pytest.mark.parametrize("head,m,dtype", [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (256, 4, jnp.float32),
+                                          (32, 1, jnp.float32)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_int8_gemv_forms_a_gated_normed_input(ggml_type, head, m, dtype, seed, interpret):
+    """A GatedNormedInput (the DeltaNet's output norm per head, unformed, its weight read from a stack at a layer):
+    the quantization kernel forms it from the blocks it loads where a head lies within a block and covers whole
+    entries of the kernel's view (IQ4_XS: 64 values, the K-quants: 32), XLA before it elsewhere (a head of 32 for
+    IQ4_XS: then the norm's rsqrt runs outside the kernels); either way the product is numpy's norm times gguf's
+    dequantization within x's quantization bound."""
+    rng = np.random.default_rng(seed)
+    out, k, layers = 48, 512, 3
+    w, dense = random_weight(rng, ggml_type, out, k)
+    x = np.asarray(jnp.asarray(random_x(rng, m, k, jnp.float32), dtype).astype(jnp.float32), np.float64)
+    gate = np.asarray(jnp.asarray(rng.standard_normal((m, k)) * 3, dtype).astype(jnp.float32), np.float64)
+    weights = np.asarray(rng.standard_normal((layers, head)), np.float32).astype(np.float64)
+    layer = int(rng.integers(1, layers))  # not the first: reading the wrong layer must show
+    want, slack = gated_norm_oracle(x, gate, weights[layer], head, dtype)
+    deferred = GatedNormedInput(jnp.asarray(x, dtype), jnp.asarray(gate, dtype), jnp.asarray(weights, jnp.float32),
+                                jnp.int32(layer), EPS)
+
+    def product(d):
+        return qi.int8_quant_matmul(d, w, out_dtype=jnp.float32, interpret=interpret)
+
+    in_kernel = head >= (64 if ggml_type == T.IQ4_XS else 32)
+    jaxpr = jax.make_jaxpr(product)(deferred)
+    assert ("rsqrt" in primitives_outside_kernels(jaxpr.jaxpr)) != in_kernel, f"head {head}"
+    got = np.asarray(product(deferred), np.float64)
+    allowed = ((x_error_bound(want, qi.levels_for(dtype)) + slack) @ np.abs(dense).T
+               + 1e-6 * (np.abs(want) @ np.abs(dense).T))
+    worst = (np.abs(got - want @ dense.T) / allowed).max()
+    assert worst <= 1, (f"{ggml_type.name} gated norm x[{m},{k}] head {head} {jnp.dtype(dtype).name} seed {seed}: "
+                        f"{worst:.3g} x bound")
 
 
 def primitives_outside_kernels(jaxpr) -> set[str]:

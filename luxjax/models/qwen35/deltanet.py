@@ -203,7 +203,8 @@ class GatedDeltaNet(nnx.Module):
             out, (state, boundary, pending) = self._prefill_rule(tokens, cache, start, valid_len, block_aligned)
         else:
             out, (conv, state, boundary, pending) = self._decode(qkv, b, a, cache, start, valid)
-        out = self.norm(out.astype(x.dtype), z).reshape(B, T, self.v_heads * self.v_dim)
+        # the norm goes to out_proj unformed (luxjax.ops.deferred): the int8 GEMV's quantization forms it
+        out = self.norm.deferred(out.astype(x.dtype).reshape(B, T, -1), z.reshape(B, T, -1))
         return self._project(out, (self.out_proj,), (0,), dtype)[0], DeltaNetCache(conv, state, boundary, pending)
 
     @staticmethod

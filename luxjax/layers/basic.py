@@ -47,12 +47,6 @@ class Embedding(nnx.Module):
         return embedding_lookup(self.weight.get_value(), ids, dtype)
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps), computed in float32."""
-    x = x.astype(jnp.float32)
-    return x * NormedInput.inverse_rms(row_sum(x * x), x.shape[-1], eps)
-
-
 class ZeroCenteredRMSNorm(nnx.Module):
     """Qwen3.5's RMSNorm: y = norm(x) * (1 + w), in float32, cast back to x's dtype. The weight is a KernelParam:
     `deferred` hands the norm to a product unformed, whose quantization kernel reads the weight in place."""

@@ -327,8 +327,9 @@ def split_linear_many(x, ws, low_rows=None) -> tuple[jax.Array, ...]:
     for i, y in zip(direct, linear_many(x, [ws[i] for i in direct], jnp.float32)):
         out[i] = y
     rest = [i for i, y in enumerate(out) if y is None]
-    for i, y in zip(rest, _split_products(materialize(x), [ws[i] for i in rest], [low_rows[i] for i in rest])):
-        out[i] = y
+    if rest:  # (a deferred x formed only where something takes it formed)
+        for i, y in zip(rest, _split_products(materialize(x), [ws[i] for i in rest], [low_rows[i] for i in rest])):
+            out[i] = y
     return tuple(out)
 
 

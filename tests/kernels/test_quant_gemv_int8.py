@@ -409,6 +409,44 @@ def test_linear_many_forms_a_deferred_norm_in_the_int8_gemv(monkeypatch, seed, i
             assert worst <= 1, f"deferred norm, {rows} rows, seed {seed}: {worst:.3g} x bound"
 
 
+def test_split_linear_forms_a_deferred_gated_norm_in_the_int8_gemv(monkeypatch, seed, interpret):
+    """ops.linear.split_linear_many (the DeltaNet's out_proj in bf16 mode) on GatedRMSNorm.deferred with a layer
+    slice of its stacked weight, float32 x and gate: at 1..4 rows the norm runs in the int8 GEMV's quantization kernel
+    (no rsqrt outside the kernels), past them XLA forms it for the two bf16 parts' product (the float kernels' tensor-
+    core regime: W decoded to bf16, within 2^-8 of each product); both within their bounds of numpy's norm times
+    gguf's dequantization."""
+    from luxjax.layers.basic import GatedRMSNorm
+
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(backend, "use_pallas", lambda: True)
+    monkeypatch.setattr(backend, "interpret", lambda: interpret)
+    out, head, k, layers = 32, 128, 512, 2
+    pairs = [random_weight(rng, T.IQ4_XS, out, k) for _ in range(layers)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[w for w, _ in pairs])
+    weights = np.asarray(rng.standard_normal((layers, head)), np.float32).astype(np.float64)
+    layer = int(rng.integers(0, layers))
+    index = jnp.int32(layer)
+    for rows in (2, 6):
+        x = np.asarray(random_x(rng, rows, k, jnp.float32), np.float64)
+        gate = np.asarray(jnp.asarray(rng.standard_normal((rows, k)) * 3, jnp.float32), np.float64)
+
+        def project(x, gate):  # the weights as a decode step's layer scan hands them over: slices of their stacks
+            norm = GatedRMSNorm(LayerSlice(jnp.asarray(weights, jnp.float32), index), EPS)
+            return linear_mod.split_linear_many(norm.deferred(x, gate), [LayerSlice(stacked, index)], (0,))[0]
+
+        args = (jnp.asarray(x, jnp.float32), jnp.asarray(gate, jnp.float32))
+        jaxpr = jax.make_jaxpr(project)(*args)
+        int8 = rows <= qi.MAX_ROWS
+        assert ("name=int8_gemv_iq4_xs" in str(jaxpr)) == int8, f"{rows} rows"
+        assert ("rsqrt" in primitives_outside_kernels(jaxpr.jaxpr)) != int8, f"{rows} rows"
+        want, slack = gated_norm_oracle(x, gate, weights[layer], head, jnp.float32)
+        dense = pairs[layer][1]
+        bound, rounding = (x_error_bound(want, 3), 1e-6) if int8 else (0, 2.0**-8)  # W decoded to bf16 there
+        allowed = (bound + slack) @ np.abs(dense).T + rounding * (np.abs(want) @ np.abs(dense).T)
+        worst = (np.abs(np.asarray(project(*args), np.float64) - want @ dense.T) / allowed).max()
+        assert worst <= 1, f"deferred gated norm, {rows} rows, seed {seed}: {worst:.3g} x bound"
+
+
 @by_name
 @pytest.mark.parametrize("m,splits", [(1, None), (2, 4), (4, 1)])
 def test_int8_gemv_reads_the_chosen_layer(ggml_type, m, splits, seed, interpret):

@@ -223,7 +223,7 @@ def _x_operands(x, m: int, blocks: int, view: tuple[int, ...]) -> tuple[list, li
 
 def _x_form(x) -> tuple:
     """What a quantization kernel needs to know of x when tracing: its type (array or deferred), dtype, width and a
-    NormedInput's eps."""
+    norm's eps (NormedInput, GatedNormedInput)."""
     return type(x), jnp.dtype(x.dtype), x.shape[-1], getattr(x, "eps", None)
 
 

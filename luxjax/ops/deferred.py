@@ -113,11 +113,13 @@ class NormedInput:
 class GatedNormedInput:
     """w * rms_norm(x) * silu(gate) with the norm over each head of `head` consecutive values, rounded to x's dtype
     at each of the reference's steps (Qwen3.5's DeltaNet output norm, layers.basic.GatedRMSNorm): unformed whole, its
-    sums of squares too. A head lies within one 256-value block of x where `head` divides 256, so the int8 GEMV's
-    quantization kernel forms it from the blocks it loads: formed by XLA it was a launch of its own per DeltaNet
-    layer and decode step (~1.3 us on an H200), and deferred the 27B's IQ4_XS batch-1 decode went 119.5-119.9 ->
-    121.0-121.2 tokens/s on an H100, batch 4 263.2-264.2 -> 264.7-265.4 (runs alternated; benchmarks/RESULTS.md,
-    session 42). The weight [L, head] is kept stacked over layers with the layer to read."""
+    sums of squares too. Where `head` divides 256 a head lies within one 256-value block of x, and where it also
+    spans whole entries of the int8 GEMV's quantization kernel's view (64 values in IQ4_XS's order, 32 in the
+    K-quants'), that kernel forms the norm from the blocks it loads (pallas_kernels/quant_gemv_int8.py). Formed by
+    XLA it was a launch of its own per DeltaNet layer and decode step (~1.3 us on an H200); deferred, the 27B's
+    IQ4_XS batch-1 decode went 119.5-119.9 -> 121.0-121.2 tokens/s on an H100, batch 4 263.2-264.2 -> 264.7-265.4
+    (runs alternated; benchmarks/RESULTS.md, session 42). The weight [L, head] is kept stacked over layers with the
+    layer to read."""
 
     x: jax.Array  # [..., heads * head]
     gate: jax.Array  # [..., heads * head]

@@ -267,14 +267,15 @@ def _x_blocks(x_form, x_refs, indices) -> list[jax.Array]:
                  == lax.broadcasted_iota(jnp.int32, (entries, entries), 1) // pieces)
     head_sums = jnp.sum(jnp.where(same_head, sums[None, :], 0.0), axis=1)
     inv_rms = NormedInput.inverse_rms(head_sums, pieces * BLOCK // entries, eps)
+    shape = xs[0].shape  # every load's: the view's first axis, then the rest it takes whole
+    piece = lax.broadcasted_iota(jnp.int32, shape, 0) % pieces
+    inv_rms = inv_rms.reshape(entries, *(1,) * (len(shape) - 1))
     formed = []
     for index, v in zip(indices, xs):
-        piece = lax.broadcasted_iota(jnp.int32, v.shape, 0) % pieces
-        weight = jnp.broadcast_to(w_ref[(layer_ref[0], 0, *index[1:])][None], v.shape)
+        weight = jnp.broadcast_to(w_ref[(layer_ref[0], 0, *index[1:])][None], shape)
         for p in range(1, pieces):
             weight = jnp.where(piece == p, w_ref[(layer_ref[0], p, *index[1:])][None], weight)
-        inv = inv_rms.reshape(entries, *(1,) * (v.ndim - 1))
-        formed.append(GatedNormedInput.form(v, gate_ref[index], weight, inv, dtype).astype(jnp.float32))
+        formed.append(GatedNormedInput.form(v, gate_ref[index], weight, inv_rms, dtype).astype(jnp.float32))
     return formed
 
 

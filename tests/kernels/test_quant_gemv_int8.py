@@ -201,15 +201,17 @@ def test_int8_gemv_matches_dequantized_matmul(ggml_type, m, out, k, dtype, seed,
 SWIGLU_EVAL_ERROR = 2.0**-18
 
 
+def rounded_to(v, dtype) -> np.ndarray:
+    """float64 v through float32 rounded to dtype (JAX's rounding), back in float64."""
+    return np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+
+
 def rounding_oracle(exact: np.ndarray, dtype, eval_error: float) -> tuple[np.ndarray, np.ndarray]:
     """(exact rounded to dtype, per value the most a float32 evaluation within eval_error (relative) of exact may
     move it by): where exact lies within eval_error of a rounding boundary of dtype, either neighbour is right, so
     the allowance is one step of dtype there."""
-    def as_dtype(v):
-        return np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
-
-    x = as_dtype(exact)
-    low, high = (as_dtype(exact * (1 + sign * eval_error)) for sign in (-1, 1))
+    x = rounded_to(exact, dtype)
+    low, high = (rounded_to(exact * (1 + sign * eval_error), dtype) for sign in (-1, 1))
     return x, np.abs(high - low) + eval_error * np.abs(exact)
 
 
@@ -314,14 +316,10 @@ def gated_norm_oracle(x, gate, weight, head: int, dtype) -> tuple[np.ndarray, np
     the reference rounds (after the norm, after the weight, at the end), per value how far an evaluation may be from
     it): in float32 a few units of its last place; in a 16-bit dtype a step of it at each of the three roundings,
     where a float32 evaluation may land on either side of a boundary."""
-    def as_dtype(v):
-        return np.asarray(jnp.asarray(v, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
-
     heads = x.reshape(*x.shape[:-1], -1, head)
-    normed = as_dtype(heads / np.sqrt((heads * heads).mean(-1, keepdims=True) + EPS))
-    y = as_dtype(as_dtype(weight) * normed)
-    with np.errstate(over="ignore"):
-        out = as_dtype(y * (gate.reshape(heads.shape) / (1 + np.exp(-gate.reshape(heads.shape))))).reshape(x.shape)
+    normed = rounded_to(heads / np.sqrt((heads * heads).mean(-1, keepdims=True) + EPS), dtype)
+    y = rounded_to(rounded_to(weight, dtype) * normed, dtype)
+    out = swiglu_oracle(gate.reshape(heads.shape), y, dtype)[0].reshape(x.shape)  # silu(gate) * y, rounded
     relative = 2.0**-20 if jnp.dtype(dtype) == jnp.float32 else 3 * 2.0**-8
     return out, relative * np.abs(out)
 

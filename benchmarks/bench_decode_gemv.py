@@ -7,7 +7,6 @@
     python benchmarks/bench_decode_gemv.py --parts-sweep   (the int8 GEMV's row tiles loaded in parts)
     python benchmarks/bench_decode_gemv.py --group-parts-sweep   (the same on the decoder's own launches)
     python benchmarks/bench_decode_gemv.py --load-sweep   (the decoder's launches, their planes loaded each way)
-    python benchmarks/bench_decode_gemv.py --touch-sweep   (the decoder's one-row launches, codes touched ahead)
 
 GB/s = weight bytes / the product kernel's time per layer (x and y are negligible), as a profiler trace of one
 jitted scan over enough layers (>= 256 MB) that no layer stays in the 60 MB L2 records it (median launch); on a CPU,
@@ -629,16 +628,6 @@ def load_variants(default):
             for flat, split in itertools.product((False, True), repeat=2)] + halved
 
 
-def touch_sweep(deadline: float, key) -> list[dict]:
-    """The decoder's one-row launches with their code bytes touched 0-3 K steps ahead (BlockSizes.touch_ahead).
-    Why: a K step's loads and its decoding do not overlap within a warp, and at 3-4 programs a multiprocessor too
-    few bytes are in flight between steps (session 31); a touch puts a step's DRAM reads in flight for one register
-    a thread, where loading the whole step ahead costs a multiprocessor a program (session 26)."""
-    return launch_sweep(lambda d: [dataclasses.replace(d, touch_ahead=a) for a in (0, 1, 2, 3)],
-                        lambda bs: {"touch": bs.touch_ahead}, deadline, key,
-                        launches=[launch for launch in DECODER_LAUNCHES if launch[-1] == 1])
-
-
 # The output head of llama.cpp's IQ4_XS and Q4_K_M plans (Q6_K, 248,320 x 5120: ~1 GB a decode step, the largest
 # single product), as AHEAD_CASES.
 HEAD_CASES = [("Q6_K", 248320, 5120, 1, jnp.bfloat16), ("Q6_K", 248320, 5120, 4, jnp.bfloat16)]
@@ -723,8 +712,6 @@ def main():
                     help="only the decoder's one-row launches loading a step ahead, in one and two parts")
     ap.add_argument("--load-sweep", action="store_true",
                     help="only the decoder's int8 GEMV launches with their planes loaded each way (load_variants)")
-    ap.add_argument("--touch-sweep", action="store_true",
-                    help="only the decoder's one-row launches with their codes touched 0-3 K steps ahead")
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the fused kernel's tensor-core regime (16 rows) at other tiles than its default")
     ap.add_argument("--skinny-check", action="store_true",
@@ -758,8 +745,7 @@ def main():
          lambda r: f"{r['parts']} parts, ahead {r['ahead']}"),
         (args.load_sweep, load_sweep, "loads",
          lambda r: f"{'flat' if r['flat'] else 'tiles'}, {'pieces' if r['split_small'] else 'whole'}, "
-                   f"{r['blocks_k']} blocks"),
-        (args.touch_sweep, touch_sweep, "K steps touched ahead", lambda r: str(r["touch"]))]
+                   f"{r['blocks_k']} blocks")]
     for chosen, launch_sweep_fn, heading, variant in launch_sweeps:
         if not chosen:
             continue

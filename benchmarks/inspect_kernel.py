@@ -2,7 +2,7 @@
 layout conversions, SASS opcodes (the kernel's and its longest loop's: a loop step is what every program repeats,
 the rest runs once a program).
 
-    python benchmarks/inspect_kernel.py --out 17408 --in 5120 --tiles 16,4,8 [--prefetch] [--dtype float32] [--touch-ahead 2]
+    python benchmarks/inspect_kernel.py --out 17408 --in 5120 --tiles 16,4,8 [--prefetch] [--dtype float32]
     python benchmarks/inspect_kernel.py ... --triton /path/to/venv/bin/python   (a Python with PyPI's triton)
     python benchmarks/inspect_kernel.py --vision 3900,16,72 --tiles 128,64,8,3   (tokens, heads, head dim; block_q,
         block_k, warps, stages: HGMMA among the opcodes means Triton chose Hopper's warpgroup MMA)
@@ -139,8 +139,6 @@ def main():
     ap.add_argument("--flat", action="store_true", help="load the codes as one run a row (BlockSizes.flat)")
     ap.add_argument("--split-small", action="store_true",
                     help="load the small planes in pieces of fewer values than threads (BlockSizes.split_small)")
-    ap.add_argument("--touch-ahead", type=int, default=0,
-                    help="K steps whose code bytes a program touches ahead (BlockSizes.touch_ahead)")
     ap.add_argument("--format", default="IQ4_XS", choices=[t.name for t in qi.FORMATS])
     ap.add_argument("--triton", default=sys.executable, help="a Python that has PyPI's triton")
     ap.add_argument("--keep", help="also write the Triton IR here")
@@ -154,8 +152,7 @@ def main():
     else:
         block_n, blocks_k, warps, parts = (*(int(v) for v in args.tiles.split(",")), 1)[:4]
         bs = qi.BlockSizes(block_n, blocks_k, warps, parts=parts, flat=args.flat, split_small=args.split_small,
-                           prefetch={"all": True, "small": "small", None: False}[args.prefetch],
-                           touch_ahead=args.touch_ahead)
+                           prefetch={"all": True, "small": "small", None: False}[args.prefetch])
         ir = int8_gemv_ir(args.out, args.k, args.rows, jnp.dtype(args.dtype), bs, T[args.format])
         described = {"format": args.format, "block_sizes": str(bs), "rows": args.rows, "x": args.dtype}
     with tempfile.TemporaryDirectory() as d:

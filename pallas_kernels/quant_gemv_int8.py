@@ -108,10 +108,6 @@ class BlockSizes:
     # layout through shared memory, two barriers every K step (IQ4_XS's scales_l at 16 rows, 4 blocks a step and 8
     # warps: 256 bytes; benchmarks/RESULTS.md sessions 39-40; where: LOADS_AT_ROWS)
     split_small: bool = False
-    # K steps ahead whose code bytes a program touches (one small load per 32-byte sector, the most a DRAM read
-    # fetches, consumed only by a run-time zero: one register a step ahead), so that DRAM streams them into L2 while
-    # the steps before them are decoded and their own loads find them there (0: none; see touch_views)
-    touch_ahead: int = 0
 
     @classmethod
     def get_default(cls, rows: int, n: int, ggml_type: T, blocks: int, levels: int = 2) -> BlockSizes:
@@ -136,8 +132,7 @@ class BlockSizes:
             chosen = dataclasses.replace(chosen, parts=2)
         if (ggml_type, one_wave, rows > 2) in LOADS_AT_ROWS:
             chosen = dataclasses.replace(chosen, split_small=True, flat=tiles >= MANY_TILES)
-        import os  # EXPERIMENT (session 43), not to land
-        return dataclasses.replace(chosen, touch_ahead=int(os.environ.get("LUXJAX_TOUCH_AHEAD", "0")))
+        return chosen
 
     def prefetches(self, steps: int) -> bool | str:
         """Whether a program of `steps` K steps per row tile loads ahead: by default where the loop is long enough
@@ -504,7 +499,7 @@ def _load_step(planes, sl, fmt: Int8Format, flat: bool = False, pieces: dict[str
 
 
 def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, parts, flat, pieces, kb, steps, levels, prefetch,
-            touch_ahead, interpret):
+            interpret):
     """Program (0, j, split): row block j of the weights' outputs side by side (weight i owns tile_counts[i] blocks
     of tiles * BN rows), K steps split * steps ... of it; weight i's o [1, BM, tiles * BN] is that block's output."""
     # [layer], constants, per weight its planes (fmt.planes' order) whole, x words [BM, L, blocks, *fmt.x_words],
@@ -519,22 +514,18 @@ def _kernel(*refs, fmt, tile_counts, stacked, block_n, tiles, parts, flat, piece
     block, split = pl.program_id(1), pl.program_id(2)
     stream = functools.partial(_stream_rows, fmt=fmt, xq_ref=xq_ref, xd_ref=xd_ref, xs_ref=xs_ref,
                                magic=magic, layer=layer, split=split, block_n=block_n, tiles=tiles, parts=parts,
-                               flat=flat, pieces=pieces, kb=kb, steps=steps, levels=levels, prefetch=prefetch,
-                               touch_ahead=touch_ahead)
-    planes = len(fmt.planes)
-    count = planes + (len(fmt.code_planes) if touch_ahead else 0)  # per weight: its planes, then their sector views
+                               flat=flat, pieces=pieces, kb=kb, steps=steps, levels=levels, prefetch=prefetch)
+    count = len(fmt.planes)
     per_weight_tile(block, tile_counts, lambda i, local: stream(
-        refs[count * i: count * i + planes], local * tiles * block_n, o_ref=o_refs[i],
-        touch_refs=refs[count * i + planes: count * (i + 1)]))
+        refs[count * i: count * (i + 1)], local * tiles * block_n, o_ref=o_refs[i]))
 
 
-def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, touch_refs, magic, layer,
-                 split, block_n, tiles, parts, flat, pieces, kb, steps, levels, prefetch, touch_ahead):
+def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_ref, o_ref, magic, layer, split,
+                 block_n, tiles, parts, flat, pieces, kb, steps, levels, prefetch):
     """o = x @ W[first_row : first_row + tiles * BN].T over this split's K steps, one weight's planes: the row
     tiles one after another, their K steps in one loop (loop step i: tile i // steps, K step i % steps); each tile's
-    rows in `parts` parts of BN / parts rows (BlockSizes.parts); touch_refs the code planes' sector views
-    (touch_views), touched touch_ahead steps ahead."""
-    rows, part_n, blocks = o_ref.shape[1], block_n // parts, xq_ref.shape[2]
+    rows in `parts` parts of BN / parts rows (BlockSizes.parts)."""
+    rows, part_n = o_ref.shape[1], block_n // parts
 
     def tile_planes(t, part):
         out_rows = pl.ds(pl.multiple_of(first_row + t * block_n + part * part_n, part_n), part_n)
@@ -592,31 +583,10 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
             new.append(tuple(part_new))
         return tuple(new)
 
-    def touch(i):
-        """Loop step i's code bytes, one value per 32-byte sector of the tile's rows (BlockSizes.touch_ahead)."""
-        tile, s = (0, i) if tiles == 1 else (lax.div(i, steps), lax.rem(i, steps))
-        tile_rows = pl.ds(pl.multiple_of(first_row + tile * block_n, block_n), block_n)
-        touched = []
-        for ref in touch_refs:
-            per_step = kb * (ref.shape[-2] // blocks)  # sectors of a row's K step
-            sectors = pl.ds(pl.multiple_of((split * steps + s) * per_step, per_step), per_step)
-            index = (tile_rows, sectors, 0) if layer is None else (layer, tile_rows, sectors, 0)
-            touched.append(ref[index].astype(jnp.uint32))
-        return tuple(touched)
-
-    def touched_flag(kept):
-        """0 at run time, which no compiler can know: the touched bytes ANDed with a constant's value XOR its load."""
-        zero = magic.bits ^ jnp.uint32(MAGIC)
-        flags = [jnp.max(jnp.max(k & zero, axis=-1), axis=-1) for k in kept]
-        return functools.reduce(jnp.bitwise_or, flags, jnp.uint32(0))
-
-    def store(t, accs, kept):
-        flag = touched_flag(kept)
+    def store(t, accs):
         for part, part_accs in enumerate(accs):
             for r, acc in enumerate(part_accs):
                 row = acc.sum(axis=tuple(range(1, acc.ndim)))
-                if kept:  # the touched loads used, so that they stay: the row unchanged
-                    row = jnp.where(flag == 0, row, jnp.nan)
                 o_ref[0, pl.ds(r, 1), pl.ds(t * block_n + part * part_n, part_n)] = row[None, :].astype(o_ref.dtype)
 
     zeros = ((jnp.zeros((part_n, kb, *fmt.acc), jnp.float32),) * rows,) * parts
@@ -625,45 +595,24 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
     ahead = tuple(fmt.planes) if prefetch is True else fmt.small_planes if prefetch == "small" else ()
     now = tuple(name for name in fmt.planes if name not in ahead)
 
-    ahead_steps = touch_ahead if touch_refs else 0
-
     def step(i, carry):
-        # loaded: the planes in `ahead`, this step's, loaded by the step before; pending: the touches of steps i ..
-        # i + ahead_steps - 1; kept: the touches consumed so far, ORed
-        loaded, accs, pending, kept = carry
-        if ahead_steps:
-            pending = (*pending, touch(jnp.minimum(i + ahead_steps, total - 1)))
+        loaded, accs = carry  # loaded: the planes in `ahead`, this step's, loaded by the step before
         upcoming = load(jnp.minimum(i + 1, total - 1), ahead)  # in flight while this step is decoded
         current = tuple({**ahead_part, **now_part} for ahead_part, now_part in zip(loaded, load(i, now)))
         accs = accumulate(current, lax.rem(i, steps), accs)
-        if ahead_steps:
-            kept, pending = tuple(k | t for k, t in zip(kept, pending[0])), pending[1:]
         if tiles > 1:
             last = lax.rem(i, steps) == steps - 1
 
             @pl.when(last)
             def _():
-                store(lax.div(i, steps), accs, kept)
+                store(lax.div(i, steps), accs)
 
             accs = jax.tree.map(lambda a: jnp.where(last, 0.0, a), accs)
-        return upcoming, accs, pending, kept
+        return upcoming, accs
 
-    pending = tuple(touch(min(j, total - 1)) for j in range(ahead_steps))
-    kept = tuple(jnp.zeros_like(t) for t in pending[0]) if ahead_steps else ()
-    _, accs, _, kept = lax.fori_loop(0, total, step, (load(0, ahead), zeros, pending, kept))
+    _, accs = lax.fori_loop(0, total, step, (load(0, ahead), zeros))
     if tiles == 1:
-        store(0, accs, kept)
-
-
-SECTOR = 32  # bytes a DRAM read fetches into L2 at the least: what BlockSizes.touch_ahead touches one value of
-
-
-def touch_view(plane: jax.Array, stacked: bool) -> jax.Array:
-    """A code plane [(L,) rows, ...] as [(L,) rows, sectors a row, values a sector]: value 0 of each sector is what
-    a touch loads (BlockSizes.touch_ahead)."""
-    lead = plane.shape[:2] if stacked else plane.shape[:1]
-    per_sector = SECTOR // plane.dtype.itemsize
-    return plane.reshape(*lead, -1, per_sector)
+        store(0, accs)
 
 
 def _program_rows(bs: BlockSizes) -> int:
@@ -753,9 +702,6 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
         planes = [[w.planes[name].reshape(-1, n, *views[name]) for name in fmt.planes] for w, n in zip(ws, ns)]
     padded = tuple(p[0].shape[0 if layer is None else 1] for p in planes)  # each plane [(L,) rows, blocks, ...]
     tile_counts = tuple(n // program_rows for n in padded)
-    if bs.touch_ahead:
-        code_at = [list(fmt.planes).index(name) for name in fmt.code_planes]
-        planes = [[*p, *(touch_view(p[i], layer is not None) for i in code_at)] for p in planes]
     x_parts = quantized_x(x, fmt, levels, interpret=interpret)
     splits = bs.splits or split_count(sum(tile_counts), blocks // kb)
     if blocks % (kb * splits):
@@ -764,8 +710,7 @@ def int8_quant_matmul_many(x: jax.Array | Deferred, ws: tuple[QuantizedTensor, .
     steps = blocks // (kb * splits)
     kernel = functools.partial(_kernel, fmt=fmt, tile_counts=tile_counts, stacked=layer is not None,
                                block_n=bs.block_n, tiles=bs.tiles, parts=bs.parts, flat=bs.flat, pieces=pieces, kb=kb,
-                               steps=steps, levels=levels, prefetch=bs.prefetches(steps),
-                               touch_ahead=bs.touch_ahead, interpret=interpret)
+                               steps=steps, levels=levels, prefetch=bs.prefetches(steps), interpret=interpret)
     x_specs = [pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd) for a in x_parts]
     all_planes = [p for weight_planes in planes for p in weight_planes]
     ys = pl.pallas_call(

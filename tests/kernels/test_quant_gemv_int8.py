@@ -487,12 +487,7 @@ MANY_CASES = [(1, jnp.float32, (48, 16, 80), None), (4, jnp.bfloat16, (32, 16), 
               (4, jnp.float32, (48, 16), qi.BlockSizes(16, 4, 8, flat=True, split_small=True)),
               (4, jnp.bfloat16, (16, 32), qi.BlockSizes(16, 4, 8, prefetch="small", split_small=True)),
               # TWO_PARTS_BELOW_MANY_TILES' tiles at one bf16 row (q + k + v's)
-              (1, jnp.bfloat16, (32, 16, 16), qi.BlockSizes(16, 4, 8, parts=2)),
-              # the code bytes touched steps ahead: fewer steps than touched, several tiles a program, with the other
-              # load options
-              (1, jnp.bfloat16, (32, 16), qi.BlockSizes(16, 1, 4, splits=1, touch_ahead=2)),
-              (3, jnp.float32, (32, 32, 96), qi.BlockSizes(16, 1, 8, splits=2, tiles=2, touch_ahead=1)),
-              (2, jnp.bfloat16, (48, 16), qi.BlockSizes(16, 2, 4, prefetch=True, flat=True, parts=2, touch_ahead=3))]
+              (1, jnp.bfloat16, (32, 16, 16), qi.BlockSizes(16, 4, 8, parts=2))]
 
 
 @by_name

@@ -36,9 +36,10 @@ NIBBLES = 0x0F0F0F0F
 
 class Group(NamedTuple):
     """Sub-block sums of one kind, all [BN, KB, *acc] after their word axis is summed: terms (int32 words [BN, KB,
-    *acc, W], index of the matching words in x's [KB, *x_words] view of one row and level), less code_bias times
-    x's level sums at `x_levels` (per level, before the levels are combined); scale [BN, KB, *acc] times x's scales
-    at `x_scale`; offset [BN, KB, *acc] (or None) times the sum of x's float sums at each `x_sums` index."""
+    *acc, W], index of the matching words in x's [KB, *x_words] view of one row and slot), less code_bias times x's
+    level sums at `x_levels` (per slot: the paired 16-bit values' or a further level's, before they are combined);
+    scale [BN, KB, *acc] times x's scales at `x_scale`; offset [BN, KB, *acc] (or None) times the sum of x's float
+    sums at each `x_sums` index."""
 
     terms: tuple[tuple[jax.Array, tuple], ...]
     scale: jax.Array

@@ -10,11 +10,18 @@ us; the kernel is then bound by latency, not issue (4 warps: 80 registers, 29% o
 throughput, the x and scale tiles reaching the weights' register layout through shared memory and barriers).
 
 x is quantized per 32 values (an IQ4_XS sub-block) in `levels` int8 levels: d = max|x| / 127 over the 32, level 0 the
-rounding of x / d, each further level the rounding of what is left at 128 times finer steps. So x = d * (q0 + q1 /
-128 + q2 / 128^2 ...) + e with |e| <= d / (2 * 128^(levels - 1)): two levels for 16-bit x (|e| <= max / 32,512 of
-the 32: below bf16's own rounding of every value larger than max / 64), three for float32 x (max / 4,161,536:
-what ops.linear.split_linear sends for the DeltaNet, whose inputs are kept in float32 for accuracy). The integer
-sums are exact; each sub-block's level sums become floats (the 2^23 magic number), are combined and scaled once.
+rounding of x / d, each further level the rounding of what is left at 128 times finer steps. So x = d * (q0 + q1 / 128
++ q2 / 128^2 ...) + e with |e| <= d / (2 * 128^(levels - 1)): two levels for 16-bit x (|e| <= max / 32,512 of the 32:
+below bf16's own rounding of every value larger than max / 64), three for float32 x (max / 4,161,536: what
+ops.linear.split_linear sends for the DeltaNet, whose inputs are kept in float32 for accuracy). At one row of x
+(PAIRED_ROWS) the first two levels reach the kernel as one 16-bit value, v = round(x / (d / 128)) (128 q0 + q1 in one
+rounding, |v| <= 16,256, within the same bound), with the scale d / 128, and a weight word's four bytes meet them in
+two dot2 (DP2A: two 16-bit values times two bytes) where two levels took two dot4: the same dot-product instructions,
+but one sum a sub-block to reduce, convert and combine instead of two (27B gate + up at one bf16 row, read without a
+GPU: 213 -> 203 instructions a K step, 64 -> 52 registers; 27B batch-1 decode +1.4%: PAIRED_ROWS). Further levels stay
+int8 words for dot4. The integer sums are exact; each sub-block's sums become floats (the 16-bit pairs' by a
+conversion, exact below 2^24 and rounded by at most 2^-24 of the sum above it; the int8 levels' by the 2^23 magic
+number), are combined and scaled once.
 
 The kernel reads W's packed planes in place (stacked over layers, one layer at a time, as the decoder does), each
 program owning BN output rows and streaming their blocks along K; x is quantized once per call by a small kernel
@@ -69,6 +76,16 @@ from pallas_kernels.quant_matmul import WHOLE, RowView, _pad_to, blocks_per_step
 MAX_ROWS = 4
 GROUP = 32  # values of x per int8 scale: one IQ4_XS sub-block
 LEVEL_STEP = 128.0  # each level of x is this much finer than the last
+PAIRED = 2  # x's first two levels go to the kernel as one 16-bit value, round(x / (d / 128)) (module doc) ...
+# ... at up to this many rows of x: 27B IQ4_XS decode on an H100, runs alternated (benchmarks/RESULTS.md, session
+# 43), batch 1 119.31 / 119.43 / 119.31 -> 121.16 / 120.95 / 120.98 tokens/s, but batch 4 (paired at 4 rows then)
+# 264.66 / 264.93 / 264.78 -> 263.70 / 263.92 / 263.34; 2 and 3 rows not measured, so they stay as they were
+PAIRED_ROWS = 1
+
+
+def pairs_levels(rows: int, levels: int) -> bool:
+    """Whether x of `rows` rows in `levels` levels reaches the GEMV with its first two levels as 16-bit values."""
+    return levels >= PAIRED and rows <= PAIRED_ROWS
 TINY = 2.0**-100
 PREFETCH_MIN_STEPS = 8  # K steps per row tile from which BlockSizes.prefetch's default loads ahead
 BLOCK = 256  # values per K block of every format here
@@ -318,12 +335,55 @@ def iq4_words(q: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(v.reshape(*v.shape[:7], 4), jnp.int32)
 
 
-def _quantize_kernel(const_ref, *refs, x_form, levels, interpret):
-    """One 256-value block of one row of x: quantize_x and iq4_words in one pass. x's refs (_x_operands; formed by
-    _x_values) give the block [4, 2, 2, 4, 2, 2] as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp + 16*hi + 4*w + 2*h +
-    b); q_ref [levels, 4, 2, 2, 4] its words (g2, gp, h, w), byte 2*b + hi; d_ref [4, 2] the scales of its
-    sub-blocks (g2, gp). Rounds by adding and subtracting 1.5 * 2^23 (to nearest, ties to even: jnp.round's rule)
-    with the constant loaded at run time."""
+def _levels(rest: list[jax.Array], d: jax.Array, levels: int, rounding, paired: bool) -> list[list[jax.Array]]:
+    """The integers x's words hold for each of a block's loads (float32, d broadcast to each), [load][value], exact
+    integers as floats: where paired (pairs_levels) first the 16-bit value v = round(x / (d / 128)) (|v| <= 16,256:
+    the first two levels' 128 q0 + q1, by one rounding instead of two, within their bound d / 256), then each
+    further level's rounding of what is left; else each level's (level 0's round(x / d)). Rounds by adding and
+    subtracting 1.5 * 2^23 (to nearest, ties to even: jnp.round's rule), the constant `rounding` loaded at run
+    time."""
+    first = PAIRED if paired else 1
+    q = [[] for _ in rest]
+    for level in range(first - 1, levels):
+        step = d / LEVEL_STEP**level  # exact: a power-of-two division
+        top = 127.0 * LEVEL_STEP**level if level < first else 127.0
+        for i, v in enumerate(rest):
+            value = jnp.clip((v / step + rounding) - rounding, -top, top)
+            rest[i] = v - value * step
+            q[i].append(value)
+    return q
+
+
+def _slot_values(at: list[list[jax.Array]], paired: bool) -> list[list[jax.Array]]:
+    """The integers a word's slots hold ([slot][byte p]) from its four values (_levels: at[p][value]): where
+    paired, slot 0 the 16-bit values of bytes 0 and 1 and slot 1 zeros (its words hold those of bytes 2 and
+    3: _level_words), then each further level's; else the level's."""
+    values = [[v[j] for v in at] for j in range(len(at[0]))]
+    return [values[0], [jnp.zeros_like(v) for v in values[0]], *values[1:]] if paired else values
+
+
+def _level_words(at: list[list[jax.Array]], paired: bool) -> list[jax.Array]:
+    """A word's int32 slots from its four values (_levels: at[p][value], p its byte): where paired, slots 0 and 1
+    the 16-bit values of bytes 0, 1 and of bytes 2, 3 (low half first: dot2's operands), then a word of bytes per
+    further level; else a word of bytes per level."""
+    words, first = [], 0
+    if paired:
+        for half in range(2):
+            low, high = (at[2 * half + lane][0].astype(jnp.int32) & 0xFFFF for lane in range(2))
+            words.append(low | jnp.left_shift(high, 16))
+        first = 1
+    for j in range(first, len(at[0])):
+        words.append(functools.reduce(jnp.bitwise_or, [
+            jnp.left_shift(v[j].astype(jnp.int32) & 0xFF, 8 * p) for p, v in enumerate(at)]))
+    return words
+
+
+def _quantize_kernel(const_ref, *refs, x_form, levels, paired, interpret):
+    """One 256-value block of one row of x: quantize_x and iq4_words in one pass, the first two levels as 16-bit
+    values where paired (_level_words). x's refs (_x_operands; formed by _x_values) give the block [4, 2, 2, 4, 2,
+    2] as (g2, gp, hi, w, h, b) (value 64*g2 + 32*gp + 16*hi + 4*w + 2*h + b); q_ref [levels, 4, 2, 2, 4] its words
+    (g2, gp, h, w) per slot, that value at position 2*b + hi; d_ref [4, 2] the scales of its sub-blocks (g2, gp), /
+    128 where paired."""
     *x_refs, q_ref, d_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     bytes_at = list(itertools.product(range(2), range(2), range(2)))  # (hi, h, b)
@@ -331,23 +391,20 @@ def _quantize_kernel(const_ref, *refs, x_form, levels, interpret):
                                       for hi, h, b in bytes_at])  # each [4, 2, 4]: (g2, gp, w)
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])
     d = jnp.maximum(amax, TINY) / 127.0  # [4, 2]: groups below 2^-100 quantize to zeros, as in quantize_x
-    d_ref[...] = d
-    for level in range(levels):
-        step = (d / LEVEL_STEP**level)[..., None]
-        words = [jnp.zeros((4, 2, 4), jnp.int32) for _ in range(2)]  # per h
-        for i, (hi, h, b) in enumerate(bytes_at):
-            q = jnp.clip((rest[i] / step + rounding) - rounding, -127.0, 127.0)
-            rest[i] = rest[i] - q * step
-            words[h] = words[h] | jnp.left_shift(q.astype(jnp.int32) & 0xFF, 8 * (2 * b + hi))
-        for h in range(2):
-            q_ref[level, :, :, h, :] = words[h]
+    d_ref[...] = d / LEVEL_STEP if paired else d
+    q = _levels(rest, d[..., None], levels, rounding, paired)  # q[i][value]
+    for h in range(2):  # the word's byte p = 2*b + hi
+        at = [q[bytes_at.index((p % 2, h, p // 2))] for p in range(4)]
+        for slot, words in enumerate(_level_words(at, paired)):
+            q_ref[slot, :, :, h, :] = words
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "interpret"))
 def quantized_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array]:
     """(iq4_words(q), d reshaped [M, K / 256, 4, 2]) for (q, d) = quantize_x(x, levels) (a deferred x formed first,
-    in the kernel), as one kernel launch of one program per 256 values: in XLA they were three fusions (the groups'
+    in the kernel), levels 0 and 1 as 16-bit values with the scale d / 128 where pairs_levels (_levels,
+    _level_words), as one kernel launch of one program per 256 values: in XLA they were three fusions (the groups'
     maxima, the scales, the levels' words) per GEMV launch (H200 profile of an IQ4_XS 27B decode step: 744 launches,
     1.0 ms of 10.2; with this kernel 248 launches, 0.38 ms). Not bit for bit quantize_x where a compiler divides or
     fuses differently (a level may move by one); within the same error bound."""
@@ -357,7 +414,8 @@ def quantized_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = F
     x = _in_blocks(x, view)
     arrays, specs = _x_operands(x, m, blocks, view)
     words, scales = pl.pallas_call(
-        functools.partial(_quantize_kernel, x_form=_x_form(x), levels=levels, interpret=interpret),
+        functools.partial(_quantize_kernel, x_form=_x_form(x), levels=levels, paired=pairs_levels(m, levels),
+                          interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, 4, 2, 2, 4), jnp.int32),
                    jax.ShapeDtypeStruct((m, blocks, 4, 2), jnp.float32)),
         grid=(m, blocks),
@@ -370,12 +428,12 @@ def quantized_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = F
     return words, scales
 
 
-def _natural_quantize_kernel(const_ref, *refs, x_form, levels, interpret):
+def _natural_quantize_kernel(const_ref, *refs, x_form, levels, paired, interpret):
     """One 256-value block of one row of x in value order: x's refs (_x_operands; formed by _x_values) give the
     block [8, 2, 4, 4] as (group of 32, half, word, byte) (value 32g + 16h + 4w + b); q_ref [levels, 8, 2, 4] its
-    words, byte b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each group's scale (twice: once
-    per half); s_ref [8, 2] the sum of each 16 values (float32, before quantization); ls_ref [levels, 8, 2] each
-    level's integer sum over each 16 values. Rounds as _quantize_kernel."""
+    words per slot (_level_words), position b of word (g, h, w) its value 32g + 16h + 4w + b; d_ref [8, 2] each
+    group's scale (twice: once per half), / 128 where paired; s_ref [8, 2] the sum of each 16 values (float32,
+    before quantization); ls_ref [levels, 8, 2] each slot's integer sum over each 16 values (_slot_values)."""
     *x_refs, q_ref, d_ref, s_ref, ls_ref = refs
     rounding = kernel_magic(const_ref, use_byte_perm=True, interpret=interpret).round
     rest = _x_blocks(x_form, x_refs, [(slice(None), slice(None), slice(None), b) for b in range(4)])  # each [8, 2, 4]
@@ -383,35 +441,33 @@ def _natural_quantize_kernel(const_ref, *refs, x_form, levels, interpret):
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1) for v in rest])  # [8, 2]
     amax = jnp.max(amax, axis=-1, keepdims=True)  # [8, 1]
     d = jnp.broadcast_to(jnp.maximum(amax, TINY) / 127.0, (8, 2))
-    d_ref[...] = d
-    for level in range(levels):
-        step = (d / LEVEL_STEP**level)[..., None]
-        word, total = jnp.zeros((8, 2, 4), jnp.int32), jnp.zeros((8, 2), jnp.float32)
-        for b in range(4):
-            q = jnp.clip((rest[b] / step + rounding) - rounding, -127.0, 127.0)
-            rest[b] = rest[b] - q * step
-            word = word | jnp.left_shift(q.astype(jnp.int32) & 0xFF, 8 * b)
-            total = total + jnp.sum(q, axis=-1)  # exact: at most 16 * 127
-        q_ref[level] = word
-        ls_ref[level] = total.astype(jnp.int32)
+    d_ref[...] = d / LEVEL_STEP if paired else d
+    q = _levels(rest, d[..., None], levels, rounding, paired)  # q[b][value]
+    for slot, words in enumerate(_level_words(q, paired)):
+        q_ref[slot] = words
+    for slot, values in enumerate(_slot_values(q, paired)):  # exact: at most 16 * 16,256
+        ls_ref[slot] = functools.reduce(jnp.add, [jnp.sum(v, axis=-1) for v in values]).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("levels", "interpret"))
 def natural_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """x [M, K] (K a multiple of 256; a deferred x formed in the kernel) in `levels` int8 levels, words in value
-    order, for the K-quants:
-    (words int32 [M, levels, K / 256, 8, 2, 4], word (g, h, w) holding values 32g + 16h + 4w .. + 3 low byte first;
-    scales [M, K / 256, 8, 2], max |x| / 127 of each 32 values, twice; sums [M, K / 256, 8, 2] of each 16 values of
-    x; level sums int32 [M, levels, K / 256, 8, 2] of each level over each 16 values), one kernel launch of a
-    program per 256 values. The levels are quantize_x's (the same rule and bound)."""
+    order, for the K-quants: (words int32 [M, levels, K / 256, 8, 2, 4], word (g, h, w) of each slot holding values
+    32g + 16h + 4w .. + 3: where pairs_levels, slots 0 and 1 their 16-bit values round(x / (d / 128)) (two each, low
+    half first), then a slot of bytes (low byte first) per further level, else a slot of bytes per level; scales [M,
+    K / 256, 8, 2], max |x| / 127 of each 32 values (/ 128 where paired), twice; sums [M, K / 256, 8, 2] of each 16
+    values of x; level sums int32 [M, levels, K / 256, 8, 2] of each slot's integers over each 16 values (slot 1's
+    zeros where paired)), one kernel launch of a program per 256 values. The levels are quantize_x's (the same rule
+    and bound)."""
     m, k = x.shape
     blocks = k // BLOCK
     view = (8, 2)
     x = _in_blocks(x, (*view, 4, 4))
     arrays, specs = _x_operands(x, m, blocks, (*view, 4, 4))
     return pl.pallas_call(
-        functools.partial(_natural_quantize_kernel, x_form=_x_form(x), levels=levels, interpret=interpret),
+        functools.partial(_natural_quantize_kernel, x_form=_x_form(x), levels=levels,
+                          paired=pairs_levels(m, levels), interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((m, levels, blocks, *view, 4), jnp.int32),
                    *(jax.ShapeDtypeStruct((m, blocks, *view), jnp.float32) for _ in range(2)),
                    jax.ShapeDtypeStruct((m, levels, blocks, *view), jnp.int32)),
@@ -427,9 +483,10 @@ def natural_words(x: jax.Array | Deferred, levels: int, *, interpret: bool = Fal
 
 def quantized_x(x: jax.Array | Deferred, fmt: Int8Format, levels: int, *, interpret: bool = False
                 ) -> tuple[jax.Array, ...]:
-    """x [M, K] as the kernel takes it for `fmt`: (words [M, levels, K / 256, *fmt.x_words], scales [M, K / 256,
-    *fmt.x_scales], and where the format takes them float sums [M, K / 256, *fmt.x_sums] or level sums [M, levels,
-    K / 256, *fmt.x_sums]), one quantization launch."""
+    """x [M, K] as the kernel takes it for `fmt`: (words [M, levels, K / 256, *fmt.x_words], its first two slots
+    16-bit pairs where pairs_levels (_level_words), scales [M, K / 256, *fmt.x_scales], and where the format
+    takes them float sums [M, K / 256, *fmt.x_sums] or level sums [M, levels, K / 256, *fmt.x_sums]), one
+    quantization launch."""
     m, k = x.shape
     blocks = k // BLOCK
     if fmt.x_order == "iq4":
@@ -553,21 +610,38 @@ def _stream_rows(plane_refs, first_row, *, fmt: Int8Format, xq_ref, xd_ref, xs_r
                 x_loads[key] = ref[(*head, sl, *tail)][None]
             return x_loads[key]
 
+        def slot_sum(group, r, slot, paired):
+            """The group's integer dot products with row r's x words at `slot` (two slots of 16-bit pairs where
+            paired), less its code bias, summed over each word axis [BN', KB, *acc]."""
+            isum = jnp.zeros(group.terms[0][0].shape, jnp.int32)
+            for words, index in group.terms:
+                if paired:
+                    isum = dot4.dot2(x_at(xq_ref, (r, slot), index), words, isum, high=False)
+                    isum = dot4.dot2(x_at(xq_ref, (r, slot + 1), index), words, isum, high=True)
+                else:
+                    isum = dot4.dot4(words, x_at(xq_ref, (r, slot), index), isum)
+            isum = jnp.sum(isum, axis=-1)
+            if group.code_bias:
+                isum = isum - group.code_bias * x_at(xs_ref, (r, slot), group.x_levels)
+            return isum
+
         def level_sums(group, r):
-            """The group's integer dot products with row r's levels, as floats [BN', KB, *acc]: sum_l part_l /
-            128^l."""
-            total = None
-            for level in range(levels):
-                isum = None
-                for words, index in group.terms:
-                    isum = dot4.dot4(words, x_at(xq_ref, (r, level), index),
-                                     jnp.zeros(words.shape, jnp.int32) if isum is None else isum)
-                isum = jnp.sum(isum, axis=-1)
-                if group.code_bias:
-                    isum = isum - group.code_bias * x_at(xs_ref, (r, level), group.x_levels)
-                part = _s2f(isum)  # exact
-                total = part if total is None else fma(part, LEVEL_STEP**-level, total)
-            return total
+            """The group's dot products with row r's x as floats [BN', KB, *acc], in units of x's scale as the
+            quantization kernel gives it: the 16-bit pairs' sum (int32 to float: exact below 2^24, one rounding of
+            2^-24 above) plus sum_l part_l / 128^(l - 1) over further levels l >= PAIRED; unpaired, sum_l part_l /
+            128^l. The further levels first: on float32 x's three levels that held the 27B DeltaNet's four
+            projections at 64 registers (70 with the pairs first: a program fewer a multiprocessor; read without a
+            GPU)."""
+            paired = pairs_levels(rows, levels)
+            first = PAIRED if paired else 0
+            further = None  # sum over levels l >= first of part_l / 128^(l - first)
+            for level in range(first, levels):
+                part = _s2f(slot_sum(group, r, level, False))  # exact
+                further = part if further is None else fma(part, LEVEL_STEP**-(level - first), further)
+            if not paired:
+                return further
+            pairs = slot_sum(group, r, 0, True).astype(jnp.float32)
+            return pairs if further is None else fma(further, 1.0 / LEVEL_STEP, pairs)
 
         new = []
         for part_loaded, part_accs in zip(loaded, accs):
@@ -622,7 +696,7 @@ def _program_rows(bs: BlockSizes) -> int:
 def uses_int8(interpret: bool) -> bool:
     """Whether decode GEMVs take this kernel: where dot4 and byte_perm (quant_matmul.uses_byte_perm) are single
     instructions (CUDA), and interpreted (their XLA forms, so the tests check it); never with int8 activations off."""
-    if not (backend.int8_activations() and dot4.REGISTERED and uses_byte_perm(interpret)):
+    if not (backend.int8_activations() and dot4.REGISTERED and dot4.DOT2_REGISTERED and uses_byte_perm(interpret)):
         return False
     return interpret or backend.gpu_platform() in dot4.NATIVE_PLATFORMS
 

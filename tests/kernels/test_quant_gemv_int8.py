@@ -7,6 +7,7 @@ On CPU the kernels run interpreted; on a GPU compiled (dot4 as DP4A, the codeboo
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -22,7 +23,7 @@ from luxjax.ops import backend, linear as linear_mod
 from luxjax.ops.deferred import GatedInput, GatedNormedInput, NormedInput
 from luxjax.ops.linear import LayerSlice
 from pallas_kernels import quant_gemv_int8 as qi
-from pallas_kernels.dot4 import dot4
+from pallas_kernels.dot4 import dot2, dot4
 from test_quant_matmul import random_weight
 
 FORMATS = [T.IQ4_XS, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -32,6 +33,11 @@ by_name = pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
 def _bytes(words: np.ndarray) -> np.ndarray:
     """uint32 words -> their four bytes as int8, low byte first (numpy's little-endian view)."""
     return np.ascontiguousarray(words.astype("<u4")).view(np.int8).reshape(*words.shape, 4).astype(np.int64)
+
+
+def _halves(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> their two 16-bit halves as int16, low half first (numpy's little-endian view)."""
+    return np.ascontiguousarray(words.astype("<u4")).view(np.int16).reshape(*words.shape, 2).astype(np.int64)
 
 
 @pytest.mark.parametrize("in_kernel", [False, True], ids=["xla", "pallas"])
@@ -50,6 +56,28 @@ def test_dot4_matches_integer_products(in_kernel, seed, interpret):
             jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
     else:
         got = jax.jit(dot4)(a, b, c)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["xla", "pallas"])
+@pytest.mark.parametrize("high", [False, True], ids=["low", "high"])
+def test_dot2_matches_integer_products(in_kernel, high, seed, interpret):
+    """dot2: a's two signed 16-bit halves times b's signed bytes 0, 1 (high: 2, 3), plus c, wrapping as int32."""
+    rng = np.random.default_rng(seed)
+    a, b = (rng.integers(0, 2**32, (8, 128), dtype=np.uint32) for _ in range(2))
+    c = rng.integers(-2**31, 2**31, (8, 128), dtype=np.int64).astype(np.int32)
+    # extremes: -32768 * -128 twice, and a sum that wraps past int32
+    a[0, :2], b[0, :2], c[0, :2] = 0x80008000, 0x80808080, (0, 2**31 - 1)
+    picked = _bytes(b)[..., 2 * high: 2 * high + 2]
+    want = ((_halves(a) * picked).sum(-1) + c.astype(np.int64) + 2**31) % 2**32 - 2**31
+    if in_kernel:
+        def kernel(a_ref, b_ref, c_ref, o_ref):
+            o_ref[...] = dot2(a_ref[...], b_ref[...], c_ref[...], high=high)
+
+        got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(c.shape, jnp.int32), interpret=interpret)(
+            jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    else:
+        got = jax.jit(lambda a, b, c: dot2(a, b, c, high=high))(a, b, c)
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")
 
 
@@ -90,16 +118,52 @@ def test_quantized_x_within_its_bound(levels, seed):
     assert kept.sum() < kept.size and np.all(np.abs(q[:, 0]).reshape(3, -1, qi.GROUP).max(-1)[kept] >= 126)
 
 
-def unpermute_words(words: np.ndarray) -> np.ndarray:
-    """int32 words [M, L, K / 256, 4, 2, 2, 4] -> int8 levels [M, L, K], by the layout the GEMV's decoder wants
-    (spelled out here, not taken from the kernel's code): word (g2, gp, h, w) of a block holds, in byte 2*b + hi,
-    its value 64*g2 + 32*gp + 16*hi + 4*w + 2*h + b."""
-    m, levels, blocks = words.shape[:3]
-    q = np.zeros((m, levels, blocks, 256), np.int64)
-    b8 = _bytes(words)  # [..., g2, gp, h, w, byte]
+def by_position(words: np.ndarray, paired: bool) -> np.ndarray:
+    """A quantization kernel's int32 words [M, slots, ...] -> the integer each gives a dot product's byte position
+    of its word [M, S, ..., 4] (spelled out here, not taken from the kernel's code): where paired (qi.pairs_levels),
+    slots 0 and 1 hold 16-bit values v ~ x / (d / 128) (dot2's operands: slot 0's low and high halves for positions
+    0 and 1, slot 1's for 2 and 3), then a slot of bytes per further level (S = levels - 1); else a slot of bytes per
+    level (S = levels)."""
+    if not paired:
+        return _bytes(words)
+    pairs = np.concatenate([_halves(words[:, 0]), _halves(words[:, 1])], axis=-1)[:, None]
+    return np.concatenate([pairs, _bytes(words[:, 2:])], axis=1)
+
+
+def rebuilt_x(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x from the integers of each value [M, S, K] (by_position's, in value order) and the kernel's scale of each 32
+    [M, K / 32]: sum_s values_s * scale / 128^s (where paired the scale is max / 127 / 128 and the first values are
+    the 16-bit ones)."""
+    m, slots, k = values.shape
+    steps = scales.astype(np.float64)[:, None, :, None] / qi.LEVEL_STEP ** np.arange(slots)[None, :, None, None]
+    return (values.reshape(m, slots, -1, qi.GROUP) * steps).sum(1).reshape(m, k)
+
+
+def unpermute_words(words: np.ndarray, paired: bool) -> np.ndarray:
+    """int32 words [M, slots, K / 256, 4, 2, 2, 4] -> each value's integers [M, S, K] (by_position), by the layout
+    the GEMV's decoder wants (spelled out here, not taken from the kernel's code): word (g2, gp, h, w) of a block
+    holds, at byte position 2*b + hi, its value 64*g2 + 32*gp + 16*hi + 4*w + 2*h + b."""
+    at = by_position(words, paired)  # [..., g2, gp, h, w, position]
+    m, slots, blocks = at.shape[:3]
+    q = np.zeros((m, slots, blocks, 256), np.int64)
     for g2, gp, h, w, b, hi in np.ndindex(4, 2, 2, 4, 2, 2):
-        q[..., 64 * g2 + 32 * gp + 16 * hi + 4 * w + 2 * h + b] = b8[:, :, :, g2, gp, h, w, 2 * b + hi]
-    return q.reshape(m, levels, blocks * 256)
+        q[..., 64 * g2 + 32 * gp + 16 * hi + 4 * w + 2 * h + b] = at[:, :, :, g2, gp, h, w, 2 * b + hi]
+    return q.reshape(m, slots, blocks * 256)
+
+
+def want_scales(x, paired: bool) -> np.ndarray:
+    """max |x| / 127 of each 32 values in float32 (groups below qi.TINY as if at it), / 128 where paired."""
+    groups = np.abs(np.asarray(jnp.asarray(x, jnp.float32))).reshape(x.shape[0], -1, qi.GROUP)
+    d = np.maximum(groups.max(-1), np.float32(qi.TINY)) / np.float32(127)
+    return d / np.float32(qi.LEVEL_STEP) if paired else d
+
+
+def check_ties(values: np.ndarray, x64: np.ndarray, paired: bool, msg: str):
+    """The last group of the last row holds n + 0.5 (max 127: steps of 1): level 0 rounds them to the even
+    neighbour; paired, the 16-bit values hold them exactly (128 x)."""
+    got = values[-1, 0, -31:]
+    want = 128 * x64[-1, -31:] if paired else 2 * np.round(x64[-1, -31:] / 2)
+    np.testing.assert_array_equal(got, want, err_msg=f"{msg}: ties")
 
 
 @pytest.mark.parametrize("levels", [1, 2, 3])
@@ -116,19 +180,15 @@ def test_quantize_kernel_words(levels, dtype, m, k, seed, interpret):
     x = jnp.asarray(x, dtype)
     words, scales = qi.quantized_words(x, levels, interpret=interpret)
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    groups = np.abs(np.asarray(jnp.asarray(x, jnp.float32))).reshape(m, -1, qi.GROUP)
-    want_d = np.maximum(groups.max(-1), np.float32(qi.TINY)) / np.float32(127)
+    paired = qi.pairs_levels(m, levels)
     d = np.asarray(scales).reshape(m, -1)
     # XLA may divide by 127 as a multiply by its reciprocal: within one float32 rounding of the quotient
-    np.testing.assert_allclose(d, want_d, rtol=1.2e-7, atol=0, err_msg=f"seed {seed}")
-    q = unpermute_words(np.asarray(words))
-    assert np.abs(q).max() <= 127
-    steps = d.astype(np.float64)[:, None, :, None] / qi.LEVEL_STEP ** np.arange(levels)[None, :, None, None]
-    rebuilt = (q.reshape(m, levels, -1, qi.GROUP) * steps).sum(1).reshape(m, k)
-    excess = np.abs(rebuilt - x64) - x_error_bound(x64, levels)
+    np.testing.assert_allclose(d, want_scales(x, paired), rtol=1.2e-7, atol=0, err_msg=f"seed {seed}")
+    q = unpermute_words(np.asarray(words), paired)
+    assert np.abs(q[:, 0]).max() <= (127 * 128 if paired else 127) and np.abs(q[:, 1:]).max(initial=0) <= 127
+    excess = np.abs(rebuilt_x(q, d) - x64) - x_error_bound(x64, levels)
     assert excess.max() <= 0, f"seed {seed}: the kernel's levels miss x by more than their bound"
-    ties = q[-1, 0, -31:]  # level 0 of the tie group: n + 0.5 rounded to the even neighbour
-    np.testing.assert_array_equal(ties, 2 * np.round(x64[-1, -31:] / 2), err_msg=f"seed {seed}: ties")
+    check_ties(q, x64, paired, f"seed {seed}")
 
 
 @pytest.mark.parametrize("levels", [1, 2, 3])
@@ -146,24 +206,27 @@ def test_natural_quantize_kernel_words(levels, dtype, m, k, seed, interpret):
     x = jnp.asarray(x, dtype)
     words, scales, sums, level_sums = qi.natural_words(x, levels, interpret=interpret)
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    q = _bytes(np.asarray(words)).reshape(m, levels, k)  # word i's byte b is value 4i + b
-    assert np.abs(q).max() <= 127
-    groups = np.abs(np.asarray(jnp.asarray(x, jnp.float32))).reshape(m, -1, qi.GROUP)
-    want_d = np.maximum(groups.max(-1), np.float32(qi.TINY)) / np.float32(127)
+    paired = qi.pairs_levels(m, levels)
+    q = by_position(np.asarray(words), paired)  # word i's position b is value 4i + b
+    q = q.reshape(m, q.shape[1], k)
+    assert np.abs(q[:, 0]).max() <= (127 * 128 if paired else 127) and np.abs(q[:, 1:]).max(initial=0) <= 127
     d = np.asarray(scales).reshape(m, -1, 2)
     np.testing.assert_array_equal(d[..., 0], d[..., 1], err_msg="one scale per 32 values, given twice")
-    np.testing.assert_allclose(d[..., 0], want_d, rtol=1.2e-7, atol=0, err_msg=f"seed {seed}")
-    steps = d[..., 0].astype(np.float64)[:, None, :, None] / qi.LEVEL_STEP ** np.arange(levels)[None, :, None, None]
-    rebuilt = (q.reshape(m, levels, -1, qi.GROUP) * steps).sum(1).reshape(m, k)
-    excess = np.abs(rebuilt - x64) - x_error_bound(x64, levels)
+    np.testing.assert_allclose(d[..., 0], want_scales(x, paired), rtol=1.2e-7, atol=0, err_msg=f"seed {seed}")
+    excess = np.abs(rebuilt_x(q, d[..., 0]) - x64) - x_error_bound(x64, levels)
     assert excess.max() <= 0, f"seed {seed}: the kernel's levels miss x by more than their bound"
     want_sums = x64.reshape(m, -1, 16).sum(-1)
     np.testing.assert_allclose(np.asarray(sums, np.float64).reshape(m, -1), want_sums, rtol=0,
                                atol=1e-6 * np.abs(x64).reshape(m, -1, 16).sum(-1).max(), err_msg=f"seed {seed}: sums")
-    np.testing.assert_array_equal(np.asarray(level_sums).reshape(m, levels, -1), q.reshape(m, levels, -1, 16).sum(-1),
+    # each slot's sums over 16 values: paired, the 16-bit values' in slot 0 (and zeros in slot 1, whose words hold
+    # the other half of those values), then each further level's
+    want_level_sums = q.reshape(m, q.shape[1], -1, 16).sum(-1)
+    if paired:
+        want_level_sums = np.concatenate([want_level_sums[:, :1], 0 * want_level_sums[:, :1], want_level_sums[:, 1:]],
+                                         axis=1)
+    np.testing.assert_array_equal(np.asarray(level_sums).reshape(m, levels, -1), want_level_sums,
                                   err_msg=f"seed {seed}: level sums")
-    ties = q[-1, 0, -31:]
-    np.testing.assert_array_equal(ties, 2 * np.round(x64[-1, -31:] / 2), err_msg=f"seed {seed}: ties")
+    check_ties(q, x64, paired, f"seed {seed}")
 
 
 def check_against_bound(got, x, dense, levels: int, msg: str):
@@ -603,6 +666,33 @@ def test_int8_gemv_refuses_what_it_cannot_take():
     assert qi.supported_many((1, 256), (stacked,), stacked=True)
     deeper = jax.tree.map(lambda a: jnp.stack([a, a, a]), w)
     assert not qi.supported_many((1, 256), (stacked, deeper), stacked=True), "one depth of stacking"
+
+
+def primitives_within(jaxpr) -> set[str]:
+    """The primitives of a jaxpr and of every jaxpr nested in it, Pallas kernels' bodies included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= primitives_within(sub)
+    return names
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_one_row_multiplies_16_bit_values(m, dtype, seed, interpret):
+    """x's first two levels reach the GEMV kernel as 16-bit values, multiplied by dot2, at one row of x only
+    (qi.PAIRED_ROWS: measured faster end to end at one row and slower at four), and its result stays within x's
+    quantization bound either way (the values are checked for every format in the tests above)."""
+    rng = np.random.default_rng(seed)
+    w, dense = random_weight(rng, T.IQ4_XS, 32, 512)
+    x = random_x(rng, m, 512, dtype)
+    project = functools.partial(qi.int8_quant_matmul, w=w, out_dtype=jnp.float32, interpret=interpret)
+    within = primitives_within(jax.make_jaxpr(project)(x).jaxpr)
+    assert ("luxjax_dot2" in within) == (m == 1), f"{m} rows: dot2 {'missing' if m == 1 else 'taken'}"
+    # dot4 for float32's third level at one row, for every level at more
+    assert "luxjax_dot4" in within or m == 1 and dtype == jnp.bfloat16
+    check_against_bound(project(x), x, dense, qi.levels_for(dtype), f"{m} rows {jnp.dtype(dtype).name} seed {seed}")
 
 
 @by_name

@@ -40,45 +40,47 @@ def _halves(words: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.astype("<u4")).view(np.int16).reshape(*words.shape, 2).astype(np.int64)
 
 
-@pytest.mark.parametrize("in_kernel", [False, True], ids=["xla", "pallas"])
-def test_dot4_matches_integer_products(in_kernel, seed, interpret):
-    rng = np.random.default_rng(seed)
+def random_operands(rng, a_extreme: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random uint32 words a, b and int32 c [8, 128]; the first two lanes the extremes: a_extreme times 0x80808080
+    (every byte -128) from 0 and from 2^31 - 1 (a sum that wraps past int32)."""
     a, b = (rng.integers(0, 2**32, (8, 128), dtype=np.uint32) for _ in range(2))
     c = rng.integers(-2**31, 2**31, (8, 128), dtype=np.int64).astype(np.int32)
-    # extremes: -128 * -128 four times, and a sum that wraps past int32
-    a[0, :2], b[0, :2], c[0, :2] = 0x80808080, 0x80808080, (0, 2**31 - 1)
-    want = ((_bytes(a) * _bytes(b)).sum(-1) + c.astype(np.int64) + 2**31) % 2**32 - 2**31
-    if in_kernel:
-        def kernel(a_ref, b_ref, c_ref, o_ref):
-            o_ref[...] = dot4(a_ref[...], b_ref[...], c_ref[...])
+    a[0, :2], b[0, :2], c[0, :2] = a_extreme, 0x80808080, (0, 2**31 - 1)
+    return a, b, c
 
-        got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(c.shape, jnp.int32), interpret=interpret)(
-            jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
-    else:
-        got = jax.jit(dot4)(a, b, c)
-    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")
+
+def wrapped(products: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """c + the sum of products over the last axis, wrapped to int32 as the instruction does."""
+    return (products.sum(-1) + c.astype(np.int64) + 2**31) % 2**32 - 2**31
+
+
+def applied(op, a, b, c, in_kernel: bool, interpret: bool) -> np.ndarray:
+    """op(a, b, c) inside a Pallas kernel or as a jitted XLA function."""
+    if not in_kernel:
+        return np.asarray(jax.jit(op)(a, b, c))
+
+    def kernel(a_ref, b_ref, c_ref, o_ref):
+        o_ref[...] = op(a_ref[...], b_ref[...], c_ref[...])
+
+    return np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(c.shape, jnp.int32), interpret=interpret)(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
+
+
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["xla", "pallas"])
+def test_dot4_matches_integer_products(in_kernel, seed, interpret):
+    a, b, c = random_operands(np.random.default_rng(seed), 0x80808080)  # -128 * -128 four times
+    want = wrapped(_bytes(a) * _bytes(b), c)
+    np.testing.assert_array_equal(applied(dot4, a, b, c, in_kernel, interpret), want, err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("in_kernel", [False, True], ids=["xla", "pallas"])
 @pytest.mark.parametrize("high", [False, True], ids=["low", "high"])
 def test_dot2_matches_integer_products(in_kernel, high, seed, interpret):
     """dot2: a's two signed 16-bit halves times b's signed bytes 0, 1 (high: 2, 3), plus c, wrapping as int32."""
-    rng = np.random.default_rng(seed)
-    a, b = (rng.integers(0, 2**32, (8, 128), dtype=np.uint32) for _ in range(2))
-    c = rng.integers(-2**31, 2**31, (8, 128), dtype=np.int64).astype(np.int32)
-    # extremes: -32768 * -128 twice, and a sum that wraps past int32
-    a[0, :2], b[0, :2], c[0, :2] = 0x80008000, 0x80808080, (0, 2**31 - 1)
-    picked = _bytes(b)[..., 2 * high: 2 * high + 2]
-    want = ((_halves(a) * picked).sum(-1) + c.astype(np.int64) + 2**31) % 2**32 - 2**31
-    if in_kernel:
-        def kernel(a_ref, b_ref, c_ref, o_ref):
-            o_ref[...] = dot2(a_ref[...], b_ref[...], c_ref[...], high=high)
-
-        got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(c.shape, jnp.int32), interpret=interpret)(
-            jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
-    else:
-        got = jax.jit(lambda a, b, c: dot2(a, b, c, high=high))(a, b, c)
-    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")
+    a, b, c = random_operands(np.random.default_rng(seed), 0x80008000)  # -32768 * -128 twice
+    want = wrapped(_halves(a) * _bytes(b)[..., 2 * high: 2 * high + 2], c)
+    got = applied(lambda a, b, c: dot2(a, b, c, high=high), a, b, c, in_kernel, interpret)
+    np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
 
 
 def random_x(rng, m: int, k: int, dtype) -> jax.Array:

@@ -86,6 +86,8 @@ PAIRED_ROWS = 1
 def pairs_levels(rows: int, levels: int) -> bool:
     """Whether x of `rows` rows in `levels` levels reaches the GEMV with its first two levels as 16-bit values."""
     return levels >= PAIRED and rows <= PAIRED_ROWS
+
+
 TINY = 2.0**-100
 PREFETCH_MIN_STEPS = 8  # K steps per row tile from which BlockSizes.prefetch's default loads ahead
 BLOCK = 256  # values per K block of every format here

@@ -48,7 +48,7 @@ def run_once(tree: Path, cache: Path, bench_args: list[str], timeout: float) -> 
     """One bench_model.py run in `tree`: its luxjax figures (numbers only), and `error` where it failed."""
     out = tree / "ab_run.json"
     out.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "benchmarks/bench_model.py", *bench_args, "--compile-cache", str(cache), "--json", str(out)]
     try:
         done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
@@ -70,8 +70,9 @@ def alternate(trees: dict[str, Path], bench_args: list[str], seconds: float, run
                     return runs
                 start = time.time()
                 figures = run_once(tree, Path(caches) / name, bench_args, min(run_timeout, deadline - start))
-                longest = max(longest, time.time() - start)
-                runs.append({"tree": name, "seconds": round(time.time() - start, 1), **figures})
+                elapsed = time.time() - start
+                longest = max(longest, elapsed)
+                runs.append({"tree": name, "seconds": round(elapsed, 1), **figures})
                 bar.update()
                 bar.write(json.dumps(runs[-1]))
 

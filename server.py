@@ -23,7 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("-c", "--max-ctx", "--ctx-size", dest="max_ctx", type=int, help="tokens per sequence")
-    p.add_argument("-np", "--max-concurrency", "--parallel", dest="max_concurrency", type=int)
+    p.add_argument("-np", "--max-concurrency", "--parallel", dest="max_concurrency", type=int,
+                   help="cache slots: sequences decoded together (a step runs only the slots in use)")
     p.add_argument("--max-queue", type=int)
     p.add_argument("--api-key")
     p.add_argument("--dtype", choices=["bfloat16", "float32"])

@@ -88,7 +88,11 @@ def summary(runs: list[dict], trees: list[str]) -> dict[str, dict[str, float]]:
 
 
 def print_tables(runs: list[dict], medians: dict[str, dict[str, float]]) -> None:
+    """Every run's figures (or its error), then each tree's medians with their ratios to the first tree's."""
     keys = sorted({k for m in medians.values() for k in m})
+    if not keys:
+        print("\nno run gave figures: " + ("; ".join(f"{r['tree']} {r['error']}" for r in runs) or "none ran"))
+        return
     print("\n| tree | run s | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 2))
     for r in runs:
         cells = [r["error"]] if "error" in r else [f"{r[k]:.4g}" if k in r else "" for k in keys]
@@ -96,8 +100,9 @@ def print_tables(runs: list[dict], medians: dict[str, dict[str, float]]) -> None
     first = next(iter(medians.values()))
     print("\n| tree (median) | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
     for name, m in medians.items():
-        cells = [f"{m[k]:.4g} ({m[k] / first[k]:.4f})" if k in m and first.get(k) else "" for k in keys]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        cells = [f"{m[k]:.4g}" + (f" ({m[k] / first[k]:.4f})" if first.get(k) else "") if k in m else ""
+                 for k in keys]
+        print(f"| {name} | " + (" | ".join(cells) if m else "no run gave figures") + " |")
 
 
 def main():

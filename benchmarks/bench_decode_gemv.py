@@ -436,7 +436,11 @@ SPLIT_CASES = [("IQ4_XS", 5120, 17408, 1, jnp.bfloat16), ("IQ4_XS", 5120, 6144, 
                ("Q6_K", 5120, 17408, 4, jnp.bfloat16), ("Q4_K", 5120, 17408, 4, jnp.bfloat16)]
 SPLIT_VARIANTS = [qi.BlockSizes(16, 4, 8), qi.BlockSizes(16, 4, 8, prefetch=False), qi.BlockSizes(16, 2, 8, splits=2),
                   qi.BlockSizes(16, 2, 8, splits=2, prefetch=False), qi.BlockSizes(16, 2, 4, splits=2),
-                  qi.BlockSizes(8, 2, 4, splits=2), qi.BlockSizes(16, 1, 8, splits=4)]
+                  qi.BlockSizes(8, 2, 4, splits=2), qi.BlockSizes(16, 1, 8, splits=4),
+                  # more programs of fewer K steps, or of four warps (more of them resident a multiprocessor)
+                  qi.BlockSizes(16, 1, 8, splits=2), qi.BlockSizes(16, 1, 4, splits=4),
+                  qi.BlockSizes(16, 1, 4, splits=2), qi.BlockSizes(16, 2, 8, splits=3),
+                  qi.BlockSizes(16, 1, 8, splits=3), qi.BlockSizes(16, 1, 8, splits=6)]
 
 
 def split_sweep(deadline: float, key) -> list[dict]:
@@ -447,14 +451,16 @@ def split_sweep(deadline: float, key) -> list[dict]:
     for fmt, out, k, m, dtype in SPLIT_CASES:
         stacked, layers, nbytes = stacked_weight(fmt, out, k, key)
         x = jax.random.normal(key, (m, k), dtype)
-        variants = list(SPLIT_VARIANTS)
+        default = qi.BlockSizes.get_default(m, out, T[fmt], k // 256, qi.levels_for(dtype))
+        variants = list(dict.fromkeys([default, *SPLIT_VARIANTS]))
         if fmt != "IQ4_XS" and m > 2:
             variants.append(qm._stacked_block_sizes(T[fmt], m, out))
         for bs in variants:
             int8 = isinstance(bs, qi.BlockSizes)
             if time.time() > deadline or int8 and ((k // 256) % (bs.blocks_k * (bs.splits or 1)) or out % bs.block_n):
                 continue
-            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, kernel="int8" if int8 else "float reduce")
+            row = packed_row(fmt, bs, x, stacked, layers, nbytes, out, kernel="int8" if int8 else "float reduce",
+                             default=bs == default)
             if row is None:
                 continue
             row["all_ms"] = (call_kernels_ms(scan_fn(fmt, bs), x, stacked) or float("nan")) / layers
@@ -767,7 +773,8 @@ def main():
     if args.split_sweep:
         rows = split_sweep(start + args.seconds, key)
         write_rows(args.json, rows)
-        print_table(rows, [*product, ("block sizes", lambda r: r["block_sizes"]), ("programs", lambda r: r["programs"]),
+        print_table(rows, [*product, ("block sizes", lambda r: r["block_sizes"] + " (default)" * r["default"]),
+                           ("programs", lambda r: r["programs"]),
                            ("GEMV GB/s (kernel)", lambda r: f"{r['gb_s']:.0f}"),
                            ("all kernels us per layer", lambda r: f"{1e3 * r['all_ms']:.1f}")])
         return

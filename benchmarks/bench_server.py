@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kinds", default="text,image")
     p.add_argument("--random-config", help="serve a random-weight model of this benchmarks/model_configs.py shape "
                                            "in-process (tokenizer and chat template of the tiny fixture)")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "IQ4_XS", "Q4_K_M"],
+                   help="--random-config's decoder weights: dense, or random packed blocks of a GGUF mix")
     return p.parse_args()
 
 
@@ -89,6 +91,7 @@ def start_random_server(args):
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_model import build_torch_model
     from benchmarks.model_configs import CONFIGS
+    from benchmarks.quant_plan import quantize_at_random
     from luxjax.engine.scheduler import Engine
     from luxjax.http.app import create_app
     from luxjax.http.settings import Settings, engine_options
@@ -106,6 +109,10 @@ def start_random_server(args):
     device = "cuda" if jax.default_backend() == "gpu" else "cpu"
     torch_model = build_torch_model(cfg_dict, args.dtype, device)
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
+    if args.weights != "bf16":  # the decoder's weights as random packed blocks (benchmarks/quant_plan.py)
+        tensors = quantize_at_random(tensors, args.weights, cfg_dict["text_config"]["num_hidden_layers"],
+                                     jax.numpy.dtype(args.dtype), progress=lambda names: tqdm(
+                                         names, desc=f"random {args.weights} blocks"))
     released_limits = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}}
     processor = Qwen35ImageProcessor.from_preprocessor_config(
         json.loads((fixture / "preprocessor_config.json").read_text()) | released_limits)

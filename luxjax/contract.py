@@ -65,5 +65,7 @@ class Backend(Protocol):
 
     def decode(self, caches, token_ids: np.ndarray, cached: np.ndarray, rope_deltas: np.ndarray,
                active: np.ndarray | None = None):
-        """One token for every slot; rows with active False leave their caches untouched."""
+        """One token for each of the first len(token_ids) slots (at most init_cache's `slots`: a step of fewer
+        sequences costs less; the other slots' caches are neither read nor written); rows with active False leave
+        their caches untouched. Returns (logits [len(token_ids), vocab], caches)."""
         ...

@@ -96,8 +96,8 @@ def _decode_kernel(
 
 
 def _check_caches(B: int, Hq: int, D: int, k_cache, v_cache):
-    if k_cache.ndim != 5 or k_cache.shape[1] != B or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [(L,) B={B}, S, kv heads, D] alike")
+    if k_cache.ndim != 5 or k_cache.shape[1] < B or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [(L,) >= B={B}, S, kv heads, D] alike")
     if Hq % k_cache.shape[3]:
         raise ValueError(f"{Hq=} q heads must be a multiple of {k_cache.shape[3]} kv heads")
     if D < 16 or D & (D - 1) or k_cache.shape[4] != D:
@@ -138,9 +138,9 @@ def _partials(qg, k_cache, v_cache, start, layer, *, scale: float, block_sizes: 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret", "debug"))
 def decode_attention(q, k_cache, v_cache, start, *, layer=None, scale: float, block_sizes: BlockSizes | None = None,
                      interpret: bool = False, debug: bool = False):
-    """q [B, 1, Hq, D]; k_cache, v_cache [B, S, Hkv, D], or stacked over layers [L, B, S, Hkv, D] with `layer` the
-    one read (an int32 scalar); start [B]: the query sees cache rows 0..start[b]. Returns [B, 1, Hq, D] in
-    q.dtype."""
+    """q [B, 1, Hq, D]; k_cache, v_cache [Bc, S, Hkv, D], or stacked over layers [L, Bc, S, Hkv, D] with `layer`
+    the one read (an int32 scalar), Bc >= B (sequence b reads their row b); start [B]: the query sees cache rows
+    0..start[b]. Returns [B, 1, Hq, D] in q.dtype."""
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     B, T, Hq, D = q.shape
@@ -290,8 +290,9 @@ def gated_decode_attention(q_gate, k, v, q_norm, k_norm, param_layer, cos, sin, 
     they lie: q_gate [B, Hq, 2 * D] (per q head its query, then its output gate), k, v [B, Hkv, D]; q and k get a
     zero-centred RMS norm (weights q_norm, k_norm [Lp, D] at `param_layer` of their stacks, eps) and the rotary
     embedding on their leading rotary_dim columns (cos, sin [B, rotary_dim] float32); the token's k and v go to row
-    start[b] of layer `layer` of the caches [L, B, S, Hkv, D] for the active [B] sequences; the query attends to
-    rows 0 .. start[b] (decode_attention's kernel) and its output is multiplied by sigmoid(gate).
+    start[b] of layer `layer` of the caches [L, Bc, S, Hkv, D] (Bc >= B: sequence b is their row b, and rows from B
+    on are left alone) for the active [B] sequences; the query attends to rows 0 .. start[b] (decode_attention's
+    kernel) and its output is multiplied by sigmoid(gate).
     Returns (out [B, Hq, D] in q_gate's dtype, k_cache, v_cache), the caches aliased to the inputs.
     The same values as the XLA ops in that order (gated_decode_attention_reference), each rounded to the dtype
     where they round; in XLA the norms, rotary, cache writes, the q heads' padding, the partials' merge and the gate

@@ -331,8 +331,9 @@ def gated_delta_decode_step(tokens, state, boundary, layer, pick, *, k_heads: in
 
     tokens [B, width] float32: each sequence's token packed as token_offsets says (q, k per key head, L2-normalised,
     q scaled by dk^-0.5; the k_heads key heads shared by the H value heads in `head_order`, see
-    luxjax.ops.delta_rule; v; g; beta); state, boundary [L, B, H, dv, dk] float32, value-major (the DeltaNet cache's
-    layout); layer: the layer stepped; pick [B] bool: the sequences whose new state also becomes their boundary.
+    luxjax.ops.delta_rule; v; g; beta); state, boundary [L, Bc, H, dv, dk] float32, value-major (the DeltaNet cache's
+    layout), Bc >= B (sequence b is their row b; rows from B on are left alone); layer: the layer stepped; pick [B]
+    bool: the sequences whose new state also becomes their boundary.
     Returns (out [B, H, dv] float32, state, boundary), the stacks aliased to the inputs (in place in a layer scan's
     carry): of layer `layer`, every state row is rewritten and the boundary rows of the picked sequences; nothing else
     is read or written. As slices, XLA copied the layer's state out, rewrote it whole and rewrote the boundary on every
@@ -341,8 +342,8 @@ def gated_delta_decode_step(tokens, state, boundary, layer, pick, *, k_heads: in
     writes it, so that no slicing of it runs between the two kernels."""
     B = tokens.shape[0]
     H, dv, dk = state.shape[2:]
-    if state.shape[1] != B or boundary.shape != state.shape:
-        raise ValueError(f"state {state.shape} and boundary {boundary.shape} must be [L, {B}, H, dv, dk]")
+    if state.shape[1] < B or boundary.shape != state.shape:
+        raise ValueError(f"state {state.shape} and boundary {boundary.shape} must be [L, >= {B}, H, dv, dk]")
     if tokens.shape[1] != token_offsets(k_heads, dk, H, dv)["width"]:
         raise ValueError(f"tokens {tokens.shape} do not pack {k_heads} key heads of {dk} and {H} value heads of {dv}")
     if state.dtype != jnp.float32 or boundary.dtype != jnp.float32:  # updated in place: no conversion
@@ -441,10 +442,11 @@ def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, param_laye
 
     qkv [B, C] (C = 2 * k_heads * d + H * d: q, k, v channels of head size d), b, a [B, H]: the projections of this
     token; conv_weight [Lp, C, taps], a_log, dt_bias [Lp, H]: the layer's parameters at `param_layer` of their
-    stacks (read in place: as operands, the layer scan's slices of them were copies); conv [L, B, taps - 1, C]
-    float32: the conv's last inputs, stacked over layers; pending [L, B, BLOCK, width] float32: the rows since the
-    last block boundary; layer: the caches' layer; active [B] bool: the sequences taking a token (the others keep
-    every field and get k = v = g = beta = 0); row [B]: the pending row each token goes to. Per channel: the causal conv over [window; token], SiLU; q and k
+    stacks (read in place: as operands, the layer scan's slices of them were copies); conv [L, Bc, taps - 1, C]
+    float32: the conv's last inputs, stacked over layers; pending [L, Bc, BLOCK, width] float32: the rows since the
+    last block boundary (Bc >= B: sequence b is their row b, and rows from B on are left alone); layer: the caches'
+    layer; active [B] bool: the sequences taking a token (the others keep every field and get k = v = g = beta = 0);
+    row [B]: the pending row each token goes to. Per channel: the causal conv over [window; token], SiLU; q and k
     L2-normalised per head (eps), q scaled by d^-0.5; beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias).
     Returns (tokens [B, width] packed as token_offsets says, conv, pending), the stacks aliased to the inputs.
     In XLA this was ~9 small fusions per layer and step (the window's slice and write-back, the norms, the masks,
@@ -454,9 +456,10 @@ def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, param_laye
     heads, taps = a.shape[1], conv_weight.shape[2]
     d = C // (2 * k_heads + heads)
     at = token_offsets(k_heads, d, heads, d)
-    if C != at["g"] or d & (d - 1) or conv.shape[1:] != (B, taps - 1, C) or pending.shape[1] != B:
+    if (C != at["g"] or d & (d - 1) or conv.shape[2:] != (taps - 1, C) or conv.shape[1] < B
+            or pending.shape[1] != conv.shape[1]):
         raise ValueError(f"qkv {qkv.shape} must hold {2 * k_heads} + {heads} heads of one power-of-two size, conv "
-                         f"{conv.shape} be [L, {B}, {taps - 1}, {C}]")
+                         f"{conv.shape} be [L, >= {B}, {taps - 1}, {C}] and pending {pending.shape} as many")
     if pending.shape[3] != at["width"] or conv.dtype != jnp.float32 or pending.dtype != jnp.float32:
         raise ValueError(f"pending {pending.shape} {pending.dtype} must be float32 rows of {at['width']}, conv "
                          f"{conv.dtype} float32")

@@ -82,7 +82,7 @@ def gated_decode_attention(q_gate, k, v, q_norm, k_norm, cos, sin, k_cache: Laye
     out, ks, vs = kernel(q_gate, k, v, *stacks, param_layer, cos, sin, k_cache.stacked, v_cache.stacked,
                          k_cache.index, start, active, rotary_dim=cos.shape[-1], scale=scale, eps=eps,
                          interpret=backend.interpret())
-    return out, LayerSlice(ks, k_cache.index), LayerSlice(vs, v_cache.index)
+    return out, k_cache.of(ks), v_cache.of(vs)
 
 
 def write_kv(cache, new, start, valid):

@@ -241,7 +241,7 @@ def gated_delta_decode_inputs(qkv, b, a, conv_weight, a_log, dt_bias, conv: Laye
     stacks, param_layer = layer_stacks((conv_weight, a_log, dt_bias))
     tokens, convs, rows = kernel(qkv, b, a, *stacks, param_layer, conv.stacked, pending.stacked, conv.index, active,
                                  row, k_heads=k_heads, eps=eps, interpret=backend.interpret())
-    return tokens, LayerSlice(convs, conv.index), LayerSlice(rows, pending.index)
+    return tokens, conv.of(convs), pending.of(rows)
 
 
 def gated_delta_decode_step(tokens, k_heads: int, state, boundary, pick, *, head_order: str = "grouped"):
@@ -261,7 +261,7 @@ def gated_delta_decode_step(tokens, k_heads: int, state, boundary, pick, *, head
 
         out, states, boundaries = kernel(tokens, state.stacked, boundary.stacked, state.index, pick, k_heads=k_heads,
                                          head_order=head_order, interpret=backend.interpret())
-        return out[:, :, None], LayerSlice(states, state.index), LayerSlice(boundaries, boundary.index)
+        return out[:, :, None], state.of(states), boundary.of(boundaries)
     at = token_offsets(k_heads, dk, H, dv)
     part = lambda name, *shape: tokens[:, at[name]: at[name] + math.prod(shape)].reshape(B, *shape)  # noqa: E731
     q, k = (jnp.swapaxes(part(name, 1, k_heads, dk), 1, 2) for name in ("q", "k"))  # [B, Hk, 1, dk]

@@ -17,7 +17,8 @@ kernel; everything else slices it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -40,25 +41,37 @@ class LayerSlice:
     """Layer `index` of a weight stacked over layers (leading axis of the array, or of every plane of a packed
     tensor, whose `shape` is one layer's). Inside a layer scan, XLA copies a sliced weight into its own buffer
     before a GEMM or kernel call (measured on an H200: benchmarks/bench_layer_scan.py), tripling the bytes a decode
-    step reads; kept unsliced, the stacked kernels read the layer in place."""
+    step reads; kept unsliced, the stacked kernels read the layer in place.
+
+    A stacked cache [L, Bc, ...] may be sliced for fewer sequences than it holds (`sequences`: a decode step of
+    the first B <= Bc slots): take() gives their rows only, and the rest of the stack is neither read nor written."""
 
     stacked: Weight
     index: jax.Array  # int32 scalar
+    sequences: int | None = field(default=None, metadata=dict(static=True))  # the first rows of axis 1; None: all
 
     def take(self) -> Weight:
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False), self.stacked)
+        def one(a):
+            layer = lax.dynamic_index_in_dim(a, self.index, 0, keepdims=False)
+            return layer if self.sequences is None else layer[: self.sequences]
+
+        return jax.tree.map(one, self.stacked)
 
     def scatter(self, indices: tuple, value: jax.Array) -> LayerSlice:
         """For a stacked cache: `value` written at stacked[index, *indices] (indices past the end dropped), the stack
         updated where it lies instead of the layer's whole slice being rewritten."""
         stack = self.stacked.at[(self.index, *indices)].set(value.astype(self.stacked.dtype), mode="drop")
-        return LayerSlice(stack, self.index)
+        return self.of(stack)
+
+    def of(self, stacked: Weight) -> LayerSlice:
+        """The same slice of `stacked` (a kernel's updated stack)."""
+        return dataclasses.replace(self, stacked=stacked)
 
     def put_sequences(self, pick: jax.Array, value: jax.Array) -> LayerSlice:
-        """For a stacked cache [L, B, ...]: this layer with value [B, ...] written for the sequences where pick [B]
-        holds (the other sequences' rows are not rewritten)."""
-        batch = self.stacked.shape[1]
-        return self.scatter((jnp.where(pick, jnp.arange(batch), batch),), value)  # past the end: dropped
+        """For a stacked cache [L, Bc, ...]: this layer with value [B, ...] (B <= Bc: the first B sequences) written
+        for the sequences where pick [B] holds (the other sequences' rows are not rewritten)."""
+        past_the_end = self.stacked.shape[1]  # dropped
+        return self.scatter((jnp.where(pick, jnp.arange(value.shape[0]), past_the_end),), value)
 
 
 def layer_value(x):

@@ -1,4 +1,5 @@
-"""Slots and the queue: a client that goes away frees its slot within a step; a full queue answers 503."""
+"""Slots and the queue: a client that goes away frees its slot within a step; a full queue answers 503; a decode
+step runs only the slots in use."""
 from __future__ import annotations
 
 import asyncio
@@ -96,3 +97,38 @@ def test_failed_image_encode_fails_only_that_request(model, server, http, monkey
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] >= 1
     assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_decode_steps_run_only_the_slots_in_use(model, server, http, monkeypatch):
+    """On the 4-slot server a lone stream decodes at one row (a step of every slot cost a 4-row step's time), two
+    streams at once at two, and each step's rows are the slots up to the last one decoding (decode_width)."""
+    from luxjax.engine.scheduler import decode_width
+
+    backend, widths = model.backend, []
+    real = backend.decode
+
+    def counted(caches, token_ids, *args, **kwargs):
+        widths.append(len(token_ids))
+        return real(caches, token_ids, *args, **kwargs)
+
+    assert wait_for(lambda: metric(http, "luxjax_active_slots") == 0)
+    monkeypatch.setattr(backend, "decode", counted)
+    request = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 24, "temperature": 0}
+    alone = http.post("/v1/chat/completions", json=request)
+    assert alone.status_code == 200
+    tokens = alone.json()["usage"]["completion_tokens"]
+    assert widths and set(widths) == {1} and len(widths) == tokens - 1, (widths, tokens)
+
+    widths.clear()
+
+    async def two():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json={**request, "seed": s}) for s in (1, 2)))
+
+    answers = asyncio.run(two())
+    assert all(a.status_code == 200 for a in answers)
+    assert set(widths) <= {1, 2} and 2 in widths, widths
+    for slots in range(1, 10):  # every width: the slots in use, rounded up to a power of two or all slots
+        for in_use in range(1, slots + 1):
+            width = decode_width(in_use, slots)
+            assert in_use <= width <= slots and (width == slots or width & (width - 1) == 0 and width < 2 * in_use)

@@ -366,6 +366,27 @@ IN_PLACE_SEED_OFFSET = 181081
 # Pallas: the decode-step kernel sums S^T k and S^T q in its own order (random states of unit scale): measured
 # 1.1e-6..1.6e-6 over three seeds; a wrong layer, row or sequence shows as O(1).
 IN_PLACE_RTOL = {"xla": 1e-6, "pallas": 2e-5}
+DECODE_KERNELS = {"gated_delta_decode_inputs", "gated_delta_decode_step", "gated_decode_attention"}
+
+
+def choose_decode_kernels(monkeypatch, kernels: str) -> list[str]:
+    """The Pallas kernels (interpreted) or the XLA path for the steps traced from here on ("xla" on a GPU too), and
+    the list of the decode kernels (DECODE_KERNELS) that those steps trace. Clears JAX's caches: the choice is made
+    at trace time."""
+    from luxjax.ops import backend as ops_backend
+    from pallas_kernels import decode_attention, gated_delta
+
+    traced = []
+    monkeypatch.setattr(ops_backend, "use_pallas", lambda: kernels == "pallas")
+    if kernels == "pallas":
+        monkeypatch.setattr(ops_backend, "interpret", lambda: True)
+        for module, name in ((gated_delta, "gated_delta_decode_inputs"), (gated_delta, "gated_delta_decode_step"),
+                             (decode_attention, "gated_decode_attention")):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: traced.append(_name)
+                                or _real(*a, **k))
+    jax.clear_caches()
+    return traced
 
 
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
@@ -382,20 +403,7 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
     import jax.numpy as jnp
     from flax import nnx
 
-    from luxjax.ops import backend as ops_backend
-
-    from pallas_kernels import decode_attention, gated_delta
-
-    traced = []  # the decode kernels traced (the DeltaNet token's inputs and state step, the gated attention)
-    monkeypatch.setattr(ops_backend, "use_pallas", lambda: kernels == "pallas")  # "xla" on a GPU too
-    if kernels == "pallas":
-        monkeypatch.setattr(ops_backend, "interpret", lambda: True)
-        for module, name in ((gated_delta, "gated_delta_decode_inputs"), (gated_delta, "gated_delta_decode_step"),
-                             (decode_attention, "gated_decode_attention")):
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: traced.append(_name)
-                                or _real(*a, **k))
-    jax.clear_caches()  # the kernel choice is made at trace time
+    traced = choose_decode_kernels(monkeypatch, kernels)
     backend = fixture_model_f32.backend
     assert jax.tree.leaves(backend.init_cache(1, 64))[0].shape[0] > 1, "the layers must stack more than one deep"
     graphdef, state = backend.graphdef, backend.state
@@ -435,6 +443,53 @@ def test_decode_with_caches_in_place_matches_slices(fixture_model_f32, session_s
              for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(place_caches))]
     assert all(moved), f"{where}: some cache arrays were never written"
     if kernels == "pallas":
-        assert {"gated_delta_decode_inputs", "gated_delta_decode_step", "gated_decode_attention"} <= set(traced), traced
+        assert DECODE_KERNELS <= set(traced), traced
     print(f"{where}, {kernels} kernels: in-place and sliced caches agree within {worst:.3g} of their largest values")
+    jax.clear_caches()  # no later test may reuse a step traced with the patched choice
+
+
+FIRST_SLOTS_SEED_OFFSET = 271828
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_decode_of_the_first_slots_matches_a_step_of_all_slots(fixture_model_f32, session_seed, kernels, monkeypatch):
+    """The engine decodes only its first slots where the later ones hold no decoding stream (a lone stream at one
+    row): backend.decode with 2 tokens on caches of 4 slots gives the logits and caches of a step of all 4 slots
+    whose last 2 are idle, and leaves slots 2 and 3 bit for bit as they were: random cache contents, slot 0
+    completing a 64-token DeltaNet block (its boundary moves) beside an idle slot 1, then both active; with `kernels`
+    pallas (interpreted) the decode kernels write the stacks of 4 slots in place."""
+    import jax.numpy as jnp
+
+    traced = choose_decode_kernels(monkeypatch, kernels)
+    backend = fixture_model_f32.backend
+    seed = (session_seed + FIRST_SLOTS_SEED_OFFSET) % 2**31
+    rng = np.random.default_rng(seed)
+    where = f"seed {seed} (LUXJAX_TEST_SEED={session_seed}), {kernels}"
+    empty = backend.init_cache(4, 256)
+    caches = [np.asarray(rng.standard_normal(c.shape), c.dtype) for c in jax.tree.leaves(empty)]
+    treedef = jax.tree.structure(empty)
+    ids = rng.integers(0, 1000, 4).astype(np.int32)
+    steps = (([63, 20, 7, 90], [True, False]), ([64, 21, 7, 90], [True, True]))
+
+    def run(width: int):
+        c, logits = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in caches]), []
+        for start, active in steps:
+            active = np.array(active + [False] * (width - 2))
+            out, c = backend.decode(c, ids[:width], np.array(start[:width]), np.zeros(width, np.int32), active)
+            assert out.shape[0] == width, f"{where}: {out.shape[0]} rows of logits for {width} tokens"
+            logits.append(np.asarray(out)[:2])
+        return logits, [np.asarray(a) for a in jax.tree.leaves(c)]
+
+    (first_logits, first_caches), (all_logits, all_caches) = run(2), run(4)
+    worst = 0.0
+    for a, b in zip(all_logits, first_logits):
+        worst = max(worst, max_abs(b, a) / float(np.max(np.abs(a))))
+    for path, before, a, b in zip(jax.tree_util.tree_flatten_with_path(empty)[0], caches, all_caches, first_caches):
+        name = jax.tree_util.keystr(path[0])
+        assert np.array_equal(b[:, 2:], before[:, 2:]), f"{where}: cache {name} of slots 2-3 was written"
+        assert not np.array_equal(b[:, 0], before[:, 0]), f"{where}: cache {name} of slot 0 was never written"
+        worst = max(worst, max_abs(b, a) / float(np.max(np.abs(a))))
+    assert worst <= IN_PLACE_RTOL[kernels], f"{where}: first slots against all differ by {worst:.3g}"
+    assert DECODE_KERNELS <= set(traced) if kernels == "pallas" else not traced, traced
+    print(f"{where}: a step of the first 2 of 4 slots matches a step of all within {worst:.3g}")
     jax.clear_caches()  # no later test may reuse a step traced with the patched choice

@@ -256,9 +256,9 @@ def write_row(rows, token, row, active):
     slice back into the stacked cache); a LayerSlice of the stacked rows gets the row scattered into the stack, so
     one row is written, not the layer's whole [B, BLOCK, width] slice (2.6 MB per DeltaNet layer and step at the
     27B shapes and batch 1)."""
-    if isinstance(rows, LayerSlice):
-        _, batch, block, _ = rows.stacked.shape  # [L, B, BLOCK, width]
-        return rows.scatter((jnp.arange(batch), jnp.where(active, row, block)), token[:, 0])
+    if isinstance(rows, LayerSlice):  # the stack [L, Bc, BLOCK, width]: the first B sequences' rows
+        block = rows.stacked.shape[2]
+        return rows.scatter((jnp.arange(token.shape[0]), jnp.where(active, row, block)), token[:, 0])
     target = jnp.where(active, row, rows.shape[1])
     at = jnp.arange(rows.shape[1])[None, :, None] == target[:, None, None]
     return jnp.where(at, token.astype(rows.dtype), rows)

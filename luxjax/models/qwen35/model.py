@@ -97,8 +97,9 @@ def prefill(graphdef, state, caches, slot, ids, image_rows, image_index, positio
 
 @partial(jax.jit, static_argnames=("graphdef", "dtype"), donate_argnames=("caches",))
 def decode(graphdef, state, caches, ids, positions, start, active, *, dtype):
-    """One token for every slot: ids [B], positions int32 [3, B], start [B] (cached tokens), active [B] bool
-    (idle slots and slots between prefill chunks keep their caches untouched). Returns logits [B, V]."""
+    """One token for each of the caches' first B slots (B <= the slots they hold; the others are neither read nor
+    written): ids [B], positions int32 [3, B], start [B] (cached tokens), active [B] bool (idle slots and slots
+    between prefill chunks keep their caches untouched). Returns logits [B, V]."""
     model = _merge(graphdef, state)
     x = model.text.embed(ids[:, None], dtype)
     h, caches = model.text(x, positions[:, :, None], start, active[:, None], caches, chunked=False,

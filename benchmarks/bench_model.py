@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.model_configs import CONFIGS  # noqa: E402
-from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
+from benchmarks.quant_plan import SCHEMES, decoder_weights  # noqa: E402
 
 HBM_BYTES_PER_S = 4.1e12
 
@@ -227,10 +227,7 @@ def main():
     from luxjax.models.qwen35.preprocess import Qwen35ImageProcessor
 
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
-    if args.weights != "bf16":
-        tensors = quantize_at_random(tensors, args.weights, cfg_dict["text_config"]["num_hidden_layers"],
-                                     jax.numpy.dtype(args.dtype), progress=lambda names: tqdm(
-                                         names, desc=f"random {args.weights} blocks"))
+    tensors = decoder_weights(tensors, args.weights, cfg_dict, jax.numpy.dtype(args.dtype), progress=True)
     weight_bytes = sum(int(t.nbytes) for n, t in tensors.items() if not n.startswith("model.visual."))
     processor = Qwen35ImageProcessor.from_preprocessor_config({
         "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,

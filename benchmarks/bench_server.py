@@ -91,7 +91,7 @@ def start_random_server(args):
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_model import build_torch_model
     from benchmarks.model_configs import CONFIGS
-    from benchmarks.quant_plan import quantize_at_random
+    from benchmarks.quant_plan import decoder_weights
     from luxjax.engine.scheduler import Engine
     from luxjax.http.app import create_app
     from luxjax.http.settings import Settings, engine_options
@@ -109,10 +109,7 @@ def start_random_server(args):
     device = "cuda" if jax.default_backend() == "gpu" else "cpu"
     torch_model = build_torch_model(cfg_dict, args.dtype, device)
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
-    if args.weights != "bf16":  # the decoder's weights as random packed blocks (benchmarks/quant_plan.py)
-        tensors = quantize_at_random(tensors, args.weights, cfg_dict["text_config"]["num_hidden_layers"],
-                                     jax.numpy.dtype(args.dtype), progress=lambda names: tqdm(
-                                         names, desc=f"random {args.weights} blocks"))
+    tensors = decoder_weights(tensors, args.weights, cfg_dict, jax.numpy.dtype(args.dtype), progress=True)
     released_limits = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}}
     processor = Qwen35ImageProcessor.from_preprocessor_config(
         json.loads((fixture / "preprocessor_config.json").read_text()) | released_limits)

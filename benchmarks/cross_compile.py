@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_model import build_torch_model, image_prompt_ids, random_image  # noqa: E402
 from benchmarks.inspect_kernel import KernelCapture  # noqa: E402
 from benchmarks.model_configs import CONFIGS  # noqa: E402
-from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
+from benchmarks.quant_plan import SCHEMES, decoder_weights  # noqa: E402
 
 TARGETS = {"rocm": ("hip", "gfx942", 64), "cuda": ("cuda", 90, 32)}
 # Shared memory (LDS) one program may use: gfx942's 64 KiB, sm_90's 227 KiB; a kernel asking more fails at launch.
@@ -90,9 +90,7 @@ def build_backend(config: str, weights: str):
     cfg_dict = CONFIGS[config]
     torch_model = build_torch_model(cfg_dict, "bfloat16", "cpu")
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
-    if weights != "bf16":
-        tensors = quantize_at_random(tensors, weights, cfg_dict["text_config"]["num_hidden_layers"],
-                                     jax.numpy.dtype("bfloat16"))
+    tensors = decoder_weights(tensors, weights, cfg_dict, jax.numpy.dtype("bfloat16"))
     processor = Qwen35ImageProcessor.from_preprocessor_config({
         "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
         "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3})

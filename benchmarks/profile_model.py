@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_model import build_torch_model, image_prompt_ids, random_image  # noqa: E402
 from benchmarks.model_configs import CONFIGS  # noqa: E402
-from benchmarks.quant_plan import SCHEMES, quantize_at_random  # noqa: E402
+from benchmarks.quant_plan import SCHEMES, decoder_weights  # noqa: E402
 from benchmarks.timing import gpu_idle_us, gpu_kernel_spans, gpu_kernel_times  # noqa: E402
 
 
@@ -82,9 +82,7 @@ def main():
     device = "cuda" if jax.default_backend() == "gpu" else "cpu"
     torch_model = build_torch_model(cfg_dict, args.dtype, device)
     tensors = {name: jax.dlpack.from_dlpack(p.detach()) for name, p in torch_model.state_dict().items()}
-    if args.weights != "bf16":
-        tensors = quantize_at_random(tensors, args.weights, cfg_dict["text_config"]["num_hidden_layers"],
-                                     jnp.dtype(args.dtype))
+    tensors = decoder_weights(tensors, args.weights, cfg_dict, jnp.dtype(args.dtype))
     processor = Qwen35ImageProcessor.from_preprocessor_config({
         "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2,
         "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3})

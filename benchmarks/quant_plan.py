@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from tqdm import tqdm
 
 from luxjax.checkpoint.quant_formats import FORMATS
 from luxjax.checkpoint.quants import QuantizedTensor
@@ -96,3 +97,12 @@ def quantize_at_random(tensors: dict, scheme: str, n_layers: int, dtype, seed: i
         qtype = ggml_type_for(scheme, role, layer, n_layers)
         out[name] = random_packed(tuple(tensors[name].shape), qtype, jax.random.fold_in(key, i), dtype)
     return out
+
+
+def decoder_weights(tensors: dict, weights: str, cfg_dict: dict, dtype, *, progress: bool = False) -> dict:
+    """A random model's tensors as a benchmark's --weights asks: as they are for "bf16", else with the decoder's
+    weights as random packed blocks of that scheme's mix (quantize_at_random; a progress bar where asked)."""
+    if weights == "bf16":
+        return tensors
+    bar = (lambda names: tqdm(names, desc=f"random {weights} blocks")) if progress else None
+    return quantize_at_random(tensors, weights, cfg_dict["text_config"]["num_hidden_layers"], dtype, progress=bar)

@@ -83,13 +83,13 @@ def _layer_slices(matrices, index):
     return jax.tree.map(lambda w: LayerSlice(w, index), matrices, is_leaf=lambda a: isinstance(a, QuantizedTensor))
 
 
-def _cache_at(stacked, index, in_place: bool = False, sequences: int | None = None):
+def _cache_at(stacked, index, in_place: bool, sequences: int):
     """One layer's cache from caches stacked over a scan's steps: its slices, or (in_place) LayerSlices of the
     stacks, which the layer reads or writes where they lie (decode: a step changes one row of most caches), for the
     first `sequences` of the slots the stacks hold where fewer are given (decode of the first B slots)."""
     if in_place:
         def at(c):
-            return LayerSlice(c, index, sequences if sequences is not None and sequences < c.shape[1] else None)
+            return LayerSlice(c, index, sequences if sequences < c.shape[1] else None)
 
         return jax.tree.map(at, stacked)
     return jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, index, 0, keepdims=False), stacked)
@@ -105,9 +105,7 @@ def _put_cache_at(stacked, cache, index):
     def put(c, n):
         if isinstance(n, LayerSlice):
             return n.stacked
-        if n.shape[0] < c.shape[1]:
-            return jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), (index,) + (0,) * n.ndim)
-        return jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), index, 0)
+        return jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), (index,) + (0,) * n.ndim)
 
     return jax.tree.map(put, stacked, cache)
 

@@ -85,11 +85,14 @@ def start_random_server(args):
     tensors through DLPack (see bench_model.py)."""
     import threading
 
+    # the torch model's 54 GB (27B bf16) and XLA's preallocated pool do not both fit an 80 GB H100 (see
+    # bench_model.release_torch_cache)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import uvicorn
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.bench_model import build_torch_model
+    from benchmarks.bench_model import build_torch_model, release_torch_cache
     from benchmarks.model_configs import CONFIGS
     from benchmarks.quant_plan import decoder_weights
     from luxjax.engine.scheduler import Engine
@@ -116,6 +119,7 @@ def start_random_server(args):
     backend = build(ModelConfig.from_hf(cfg_dict), tensors, tokenizer, processor, args.dtype,
                     origin=args.random_config, max_context=args.max_ctx)
     del tensors, torch_model
+    release_torch_cache(device)
     settings = Settings(model=args.random_config, dtype=args.dtype, max_ctx=args.max_ctx,
                         max_concurrency=args.slots, max_queue=256)
     engine = Engine(backend, **engine_options(settings)).start()

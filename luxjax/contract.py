@@ -63,9 +63,11 @@ class Backend(Protocol):
     def prefill(self, caches, slot: int, prompt: Prompt, image_rows, begin: int, end: int, *,
                 all_logits: bool = False): ...
 
-    def decode(self, caches, token_ids: np.ndarray, cached: np.ndarray, rope_deltas: np.ndarray,
+    def decode(self, caches, token_ids: np.ndarray | jax.Array, cached: np.ndarray, rope_deltas: np.ndarray,
                active: np.ndarray | None = None):
         """One token for each of the first len(token_ids) slots (at most init_cache's `slots`: a step of fewer
         sequences costs less; the other slots' caches are neither read nor written); rows with active False leave
-        their caches untouched. Returns (logits [len(token_ids), vocab], caches)."""
+        their caches untouched. token_ids may lie on the device (the engine passes the tokens its last step
+        sampled there, unread, so that it can issue the next step before reading them): do not bring them to the
+        host. Returns (logits [len(token_ids), vocab], caches)."""
         ...

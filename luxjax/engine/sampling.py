@@ -85,11 +85,9 @@ def sample_tokens(logits, counts, params: RowParams, *, top_logprobs: int = 0):
     logits = logits.astype(jnp.float32)
     penalised = apply_penalties(logits, counts, params.presence, params.frequency)
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(penalised, params.top_k, params.top_p, params.min_p)
-    scaled = filtered / jnp.maximum(params.temperature, 1e-6)[:, None]
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    tokens = jnp.where(params.temperature > 0, drawn, greedy)
+    sampled = params.temperature > 0
+    tokens = jax.lax.cond(jnp.any(sampled), lambda: jnp.where(sampled, _draw(penalised, params), greedy),
+                          lambda: greedy)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if top_logprobs:
@@ -98,6 +96,19 @@ def sample_tokens(logits, counts, params: RowParams, *, top_logprobs: int = 0):
         top_values = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return tokens, chosen, top_ids, top_values
+
+
+def _draw(penalised, params: RowParams):
+    """A token drawn per row from its filtered, tempered distribution. The filters sort the vocabulary, so they run
+    only where some sampled row narrows its distribution; for the others they keep every finite logit anyway."""
+    vocab = penalised.shape[-1]
+    narrows = (params.temperature > 0) & (((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0)
+                                          | (params.min_p > 0))
+    filtered = jax.lax.cond(jnp.any(narrows), lambda: filter_logits(penalised, params.top_k, params.top_p,
+                                                                   params.min_p), lambda: penalised)
+    scaled = filtered / jnp.maximum(params.temperature, 1e-6)[:, None]
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
 
 def top_logprobs_width(params: Sequence[SamplingParams | None]) -> int:

@@ -1,5 +1,5 @@
 """Slots and the queue: a client that goes away frees its slot within a step; a full queue answers 503; a decode
-step runs only the slots in use."""
+step runs only the slots in use, its tokens taken from the device."""
 from __future__ import annotations
 
 import asyncio
@@ -101,23 +101,35 @@ def test_failed_image_encode_fails_only_that_request(model, server, http, monkey
 
 def test_decode_steps_run_only_the_slots_in_use(model, server, http, monkeypatch):
     """On the 4-slot server a lone stream decodes at one row (a step of every slot cost a 4-row step's time), two
-    streams at once at two, and each step's rows are the slots up to the last one decoding (decode_width)."""
-    from luxjax.engine.scheduler import decode_width
+    streams at once at two, and each step's rows are the slots up to the last one decoding (decode_width). Each
+    step takes its tokens from the device (the engine issues it before reading the last one's) and a stream that
+    ends at max_tokens issues no step past its last token. None of these steps compiles: every width compiled at
+    the engine's start, with its tokens as the steps pass them."""
+    import jax
 
-    backend, widths = model.backend, []
+    from luxjax.engine.scheduler import decode_width
+    from luxjax.models.qwen35 import model as qwen
+
+    backend, widths, on_device = model.backend, [], []
     real = backend.decode
 
     def counted(caches, token_ids, *args, **kwargs):
         widths.append(len(token_ids))
+        on_device.append(isinstance(token_ids, jax.Array))
         return real(caches, token_ids, *args, **kwargs)
 
     assert wait_for(lambda: metric(http, "luxjax_active_slots") == 0)
-    monkeypatch.setattr(backend, "decode", counted)
     request = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 24, "temperature": 0}
+    assert http.post("/v1/chat/completions", json={**request, "max_tokens": 1}).status_code == 200  # answered
+    # after the engine's compile of every width at start, whose steps are not the stream's
+    monkeypatch.setattr(backend, "decode", counted)
+    compiled = qwen.decode._cache_size()
     alone = http.post("/v1/chat/completions", json=request)
     assert alone.status_code == 200
     tokens = alone.json()["usage"]["completion_tokens"]
+    assert alone.json()["choices"][0]["finish_reason"] == "length"
     assert widths and set(widths) == {1} and len(widths) == tokens - 1, (widths, tokens)
+    assert all(on_device)
 
     widths.clear()
 
@@ -128,6 +140,7 @@ def test_decode_steps_run_only_the_slots_in_use(model, server, http, monkeypatch
     answers = asyncio.run(two())
     assert all(a.status_code == 200 for a in answers)
     assert set(widths) <= {1, 2} and 2 in widths, widths
+    assert qwen.decode._cache_size() == compiled
     for slots in range(1, 10):  # every width: the slots in use, rounded up to a power of two or all slots
         for in_use in range(1, slots + 1):
             width = decode_width(in_use, slots)

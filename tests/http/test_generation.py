@@ -154,6 +154,17 @@ def test_logprobs_and_stop_strings(client):
         assert entry.logprob <= 0
 
 
+def test_the_stream_after_one_cut_by_a_stop_string_is_unaffected(client, model):
+    """The engine issues a decode step before reading the one before it, so a stream that a stop string ends has run
+    a step more in its slot; the next stream admitted there (the lowest free slot) answers as the notebook path."""
+    cut_short, after = fixture_messages("text"), [{"role": "user", "content": "Name three colours, please."}]
+    full = chat(client, cut_short).choices[0].message.content
+    cut = chat(client, cut_short, stop=[full[2:4]]).choices[0]
+    assert cut.finish_reason == "stop"
+    served = chat(client, after).choices[0].model_extra["token_ids"]
+    assert served == model.generate(after, max_tokens=MAX_TOKENS).token_ids
+
+
 def test_seeded_sampling_is_reproducible(client, model):
     messages = fixture_messages("text")
     kw = dict(temperature=1.0, top_p=0.95, seed=1234)

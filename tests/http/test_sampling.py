@@ -63,6 +63,22 @@ def test_greedy_row_does_not_depend_on_its_neighbours():
     assert mixed[0] == alone[0] == logits[0].argmax()
 
 
+def test_a_tempered_row_draws_alike_whether_or_not_a_neighbour_narrows():
+    """The vocabulary's sort runs only for batches where some sampled row narrows (top-k, top-p, min-p); a row
+    that does not narrow must draw the same token either way, and a greedy row beside a sampled one the argmax."""
+    entropy = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(entropy)
+    logits = (rng.normal(size=(2, V)) * rng.uniform(0.5, 3)).astype(np.float32)
+    seeds = [int(s) for s in rng.integers(0, 2**31, size=2)]
+    plain = SamplingParams(temperature=float(rng.uniform(0.3, 2.0)))
+    narrowing = SamplingParams(temperature=1.0, top_p=float(rng.uniform(0.1, 0.9)), top_k=int(rng.integers(1, 10)))
+    for step in range(16):
+        alone, *_ = sample(logits, [plain, SamplingParams()], seeds=seeds, steps=[step, 0])
+        beside, *_ = sample(logits, [plain, narrowing], seeds=seeds, steps=[step, 0])
+        assert alone[0] == beside[0], (entropy, step)
+        assert alone[1] == logits[1].argmax(), entropy
+
+
 def test_seeded_sampling_is_deterministic_and_seed_dependent():
     rng = np.random.default_rng(3)
     logits = np.repeat(rng.normal(size=(1, V)).astype(np.float32), 8, 0)

@@ -167,5 +167,6 @@ class Qwen35Backend:
         pos = np.asarray(cached, np.int32) + np.asarray(rope_deltas, np.int32)
         positions = np.broadcast_to(pos, (3, len(pos))).astype(np.int32)
         active = np.ones(len(pos), bool) if active is None else np.asarray(active, bool)
-        return qwen.decode(self.jit_graphdef, self.state, caches, np.asarray(token_ids, np.int32), positions,
-                           np.asarray(cached, np.int32), active, dtype=self.dtype)
+        ids = token_ids if isinstance(token_ids, jax.Array) else np.asarray(token_ids, np.int32)  # not read back
+        return qwen.decode(self.jit_graphdef, self.state, caches, ids, positions, np.asarray(cached, np.int32), active,
+                           dtype=self.dtype)

@@ -124,7 +124,8 @@ class Engine:
         self._stopping = False
         self._slots: list[SlotState | None] = [None] * max_concurrency
         self._caches = backend.init_cache(max_concurrency, self.max_ctx)
-        self._counts, self._last_tokens = self._zeros_beside_caches()  # each slot's last sampled token
+        self._clear_token_state()
+        self._no_counts = self._zeros_beside_caches(1, backend.vocab_size)  # a prompt's first token: none generated
         self._in_flight: StepInFlight | None = None
         self._thread = threading.Thread(target=self._run, name="luxjax-scheduler", daemon=True)
 
@@ -302,8 +303,7 @@ class Engine:
                 return
             row = RowParams.build([(params, seq.request.seed, 0)])
             token, logprob, top_ids, top_values = sample_tokens(
-                jnp.reshape(logits, (1, -1)), jnp.zeros((1, self.backend.vocab_size), jnp.int32), row,
-                top_logprobs=top_logprobs_width([params]))
+                jnp.reshape(logits, (1, -1)), self._no_counts, row, top_logprobs=top_logprobs_width([params]))
         except Exception as exc:
             log.exception("request %s: prefill failed", seq.request.request_id)
             self._slots[i] = None
@@ -362,8 +362,7 @@ class Engine:
         for i, seq in issued:
             deltas[i], seqs[i] = seq.request.prompt.rope_delta, seq
             rows[i] = (seq.request.params, seq.request.seed, self._tokens_issued(i, seq, in_flight))
-        active = np.zeros(B, bool)
-        active[[i for i, _ in issued]] = True
+        active = np.array([seq is not None for seq in seqs])
         # only issued rows advance: idle slots and sequences between prefill chunks keep their caches
         logits, self._caches = self.backend.decode(self._caches, self._last_tokens[:B], cached, deltas, active)
         outputs = self._sample(logits, rows, active)
@@ -431,15 +430,18 @@ class Engine:
         log.error("device caches were lost; failing the sequences in flight")
         self._fail_slots(internal_error("a failed device call", RuntimeError("caches lost")))
         self._caches = self.backend.init_cache(self.max_concurrency, self.max_ctx)
-        self._counts, self._last_tokens = self._zeros_beside_caches()
+        self._clear_token_state()
 
-    def _zeros_beside_caches(self) -> tuple[jax.Array, jax.Array]:
-        """(token counts [slots, V], last tokens [slots]) of zeros, committed where the caches lie, as the jitted
-        steps' outputs that replace them are: an uncommitted array (jnp.zeros') is another key of a jit's cache, so
-        the compile ahead of the first step (with these) would not serve the later steps (with those)."""
-        where = jax.tree.leaves(self._caches)[0].sharding
-        return (jax.device_put(np.zeros((self.max_concurrency, self.backend.vocab_size), np.int32), where),
-                jax.device_put(np.zeros(self.max_concurrency, np.int32), where))
+    def _clear_token_state(self) -> None:
+        """Each slot's generated-token counts [slots, V] (the penalties') and last sampled token [slots], zero."""
+        self._counts = self._zeros_beside_caches(self.max_concurrency, self.backend.vocab_size)
+        self._last_tokens = self._zeros_beside_caches(self.max_concurrency)
+
+    def _zeros_beside_caches(self, *shape: int) -> jax.Array:
+        """int32 zeros committed where the caches lie, as the jitted steps' outputs that replace them (or take their
+        place in a call) are: an uncommitted array (jnp.zeros') is another key of a jit's cache, so the compile
+        ahead of the first step (with these) would not serve the later steps (with those)."""
+        return jax.device_put(np.zeros(shape, np.int32), jax.tree.leaves(self._caches)[0].sharding)
 
     def _fail_slots(self, error: RequestError) -> None:
         self._in_flight = None
